@@ -1,0 +1,1 @@
+"""usd-chat's Gradio UI. It only consumes what the `usd` engine yields."""

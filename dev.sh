@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# One entry point for a fresh machine: creates .venv, installs usd-chat and what it needs, then runs a task.
+#   ./dev.sh test      lint (ruff) and the test suite (pulls the three registry-shipped models on first run)
+#   ./dev.sh app       pull the default pair and launch the chat UI
+#   ./dev.sh setup     only the install
+# TORCH_SPEC overrides the torch requirement (default: the CPU build torch==2.13.0 when no NVIDIA GPU is visible).
+set -euo pipefail
+cd "$(dirname "$0")"
+
+task="${1:-test}"
+shift || true
+
+if [ ! -x .venv/bin/python ]; then
+    python3 -c 'import sys; sys.exit(sys.version_info < (3, 11))' \
+        || { echo "usd-chat needs Python >= 3.11 (found $(python3 --version))" >&2; exit 1; }
+    python3 -m venv .venv
+fi
+py=.venv/bin/python
+stamp=.venv/.usd-installed
+if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
+    "$py" -m pip install -q --disable-pip-version-check --upgrade pip
+    if [ -z "${TORCH_SPEC:-}" ]; then
+        if command -v nvidia-smi >/dev/null 2>&1; then TORCH_SPEC="torch"; else TORCH_SPEC="torch==2.13.0"; fi
+    fi
+    "$py" -m pip install -q --disable-pip-version-check "$TORCH_SPEC"
+    "$py" -m pip install -q --disable-pip-version-check -e ".[test]"
+    touch "$stamp"
+fi
+
+case "$task" in
+    setup) echo "installed into .venv" ;;
+    test)
+        .venv/bin/ruff check .
+        exec .venv/bin/python -m pytest "$@"
+        ;;
+    app) exec .venv/bin/usd-chat "$@" ;;
+    *) echo "usage: ./dev.sh {test|app|setup} [args...]" >&2; exit 2 ;;
+esac

