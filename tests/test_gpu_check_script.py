@@ -1,0 +1,19 @@
+"""The GPU check script runs the same loading path on a CPU (the GPU run is done by hand where a GPU is lent)."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "gpu_check_quantized.py"
+
+
+def test_gpu_check_script_runs_on_cpu():
+    spec = importlib.util.spec_from_file_location("gpu_check_quantized", SCRIPT)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    rows = mod.run("cpu", ["fp32", "bf16"])
+    assert [r["precision"] for r in rows] == ["fp32", "bf16"]
+    assert all(r["new_tokens"] == 16 for r in rows)
+    assert rows[0]["linear_weight_dtype"] == "torch.float32" and rows[1]["linear_weight_dtype"] == "torch.bfloat16"
+    assert rows[1]["weights_bytes"] < rows[0]["weights_bytes"]

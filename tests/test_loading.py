@@ -1,0 +1,106 @@
+"""Loading: the real models on CPU, precision choice, the bitsandbytes config, the memory check."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from usd import loading
+from usd.loading import LoadError, bnb_config, choose_precision, entry_for, load_model, plan_load
+
+# A fixed prompt per model and words a coherent greedy continuation must contain (checked on this machine in fp32).
+CONTINUATIONS = {
+    "smollm2-135m-instruct": ("The capital of France is", ["Paris"]),
+    "qwen2.5-coder-0.5b-instruct": ("def fibonacci(n):", ["if n", "return"]),
+    "gemma-3-270m": ("The capital of France is", ["France"]),
+}
+
+
+@pytest.mark.real_models
+@pytest.mark.parametrize("name", list(CONTINUATIONS))
+def test_real_model_loads_on_cpu_and_continues_coherently(name, catalog, real_paths):
+    lm = load_model(catalog.get(name), device="cpu", precision="fp32", log=lambda m: None)
+    assert lm.plan.device == "cpu" and lm.plan.precision == "fp32"
+    assert next(lm.model.parameters()).dtype == torch.float32
+    assert not lm.model.training
+    prompt, expected = CONTINUATIONS[name]
+    ids = lm.tokenizer(prompt, return_tensors="pt")
+    out = lm.model.generate(**ids, max_new_tokens=20, do_sample=False)
+    text = lm.tokenizer.decode(out[0, ids["input_ids"].shape[1] :], skip_special_tokens=True)
+    for word in expected:
+        assert word in text, f"{name}: {text!r}"
+
+
+def test_nf4_config_has_the_intended_fields(catalog):
+    entry = catalog.get("llama-3.1-8b-instruct")
+    precision, note = choose_precision(entry, "cuda")
+    assert precision == "nf4" and "NF4" in note
+    cfg = bnb_config(precision)
+    assert cfg.load_in_4bit and not cfg.load_in_8bit
+    assert cfg.bnb_4bit_quant_type == "nf4"
+    assert cfg.bnb_4bit_compute_dtype == torch.bfloat16
+    assert cfg.bnb_4bit_use_double_quant is True
+
+
+def test_int8_and_unquantized_configs(catalog):
+    assert bnb_config("int8").load_in_8bit
+    assert bnb_config("bf16") is None
+    entry = catalog.get("smollm2-135m-instruct")
+    assert choose_precision(entry, "cuda") == ("bf16", "bf16, not quantized.")
+    assert choose_precision(entry, "cuda", "int8")[0] == "int8"
+
+
+def test_cpu_never_quantizes_and_says_why(catalog, monkeypatch):
+    entry = catalog.get("llama-3.1-8b-instruct")  # nf4 on CUDA
+    monkeypatch.setattr(loading, "cpu_has_bf16", lambda: True)
+    precision, note = choose_precision(entry, "cpu")
+    assert precision == "bf16" and "No quantization on a CPU" in note
+    monkeypatch.setattr(loading, "cpu_has_bf16", lambda: False)
+    precision, note = choose_precision(entry, "cpu")
+    assert precision == "fp32" and "no native bf16" in note
+    with pytest.raises(LoadError, match="needs a CUDA GPU"):
+        choose_precision(entry, "cpu", "nf4")
+
+
+def test_memory_estimate_scales_with_precision(catalog):
+    from transformers import AutoConfig
+
+    entry = catalog.get("llama-3.1-8b-instruct")
+    # The real Llama-3.1-8B shape, built from its config values (no download).
+    cfg = AutoConfig.for_model("llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336,
+                               num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8)  # fmt: skip
+    linear, other = loading.count_params(cfg)
+    assert 7.9e9 < linear + other < 8.1e9
+    nf4 = loading.estimate_bytes(entry, "nf4", "cuda", cfg)
+    bf16 = loading.estimate_bytes(entry, "bf16", "cuda", cfg)
+    assert 4.5 * 2**30 < nf4 < 7 * 2**30  # ~5.5 GiB is what NF4 8B models take in practice
+    assert 15 * 2**30 < bf16 < 18 * 2**30
+    # without a config, the catalog's parameter count still gives an estimate
+    assert 4 * 2**30 < loading.estimate_bytes(entry, "nf4", "cuda") < 7 * 2**30
+
+
+def test_load_refuses_what_cannot_fit(catalog, real_paths, monkeypatch):
+    monkeypatch.setattr(loading, "available_bytes", lambda device: 100 * 2**20)
+    with pytest.raises(LoadError, match=r"needs about .* GiB as .* but only 0\.1 GiB is free"):
+        load_model(catalog.get("qwen2.5-coder-0.5b-instruct"), device="cpu", log=lambda m: None)
+    plan = plan_load(catalog.get("qwen2.5-coder-0.5b-instruct"), "cpu")
+    assert not plan.fits
+
+
+def test_entry_for_specs(catalog, tiny_llama_dir):
+    assert entry_for("gemma-3-270m", catalog).source.kind == "pypi"
+    local = entry_for(str(tiny_llama_dir), catalog)
+    assert local.source.kind == "path" and local.context_length == 512 and local.chat_template
+    assert not local.trust_remote_code
+    hub = entry_for("someone/some-model", catalog)
+    assert hub.source.kind == "hub" and hub.source.repo == "someone/some-model"
+    with pytest.raises(LoadError, match="not a catalog model, an existing path, or a hub repo id"):
+        entry_for("no such thing", catalog)
+    with pytest.raises(LoadError, match="only catalog models are allowed"):
+        entry_for(str(tiny_llama_dir), catalog, allow_unlisted=False)
+
+
+def test_local_directory_loads_through_the_same_code(catalog, tiny_llama_dir):
+    lm = load_model(str(tiny_llama_dir), device="cpu", precision="fp32", catalog=catalog, log=lambda m: None)
+    assert lm.model.config.hidden_size == 64
+    assert lm.tokenizer.eos_token == "<|im_end|>"
