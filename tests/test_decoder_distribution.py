@@ -1,0 +1,96 @@
+"""Under sampling, the decoder's output is distributed exactly as plain sampling from the target.
+
+Tiny random models with the real tokenizers (Qwen target; SmolLM2 drafter, and Qwen itself for `standard`).
+For the first two generated
+tokens we compute the target's exact joint distribution (temperature 1, top-k 4) and run a chi-square goodness-of-fit
+test on N independent speculative generations: false-alarm rate 1e-4 per test. Cells with small expected counts are
+pooled so the chi-square approximation holds.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from scipy.stats import chisquare
+from tiny_pairs import tiny_pair
+
+from usd.decoder import Pair, stream
+from usd.sampling import SamplingParams, probabilities
+
+pytestmark = pytest.mark.real_models
+
+QWEN, SMOL = "qwen2.5-coder-0.5b-instruct", "smollm2-135m-instruct"
+PROMPT = "def add(a, b):\n    return"
+N = 1000
+ALPHA = 1e-4
+
+
+@torch.no_grad()
+def exact_joint(target, ids, params) -> dict[tuple[int, int], float]:
+    p1 = probabilities(target(torch.tensor([ids])).logits[0, -1], params)
+    joint = {}
+    for x in p1.nonzero().flatten().tolist():
+        p2 = probabilities(target(torch.tensor([ids + [x]])).logits[0, -1], params)
+        for y in p2.nonzero().flatten().tolist():
+            joint[(x, y)] = float(p1[x] * p2[y])
+    return joint
+
+
+def run(pair, ids, dids, algorithm):
+    counts, drafted, accepted = {}, 0, 0
+    for seed in range(N):
+        params = SamplingParams(temperature=1.0, top_k=4, seed=seed)
+        *_, ev = stream(pair, ids, dids, algorithm=algorithm, k=3, params=params, max_new_tokens=2, probe_first=False)
+        key = tuple(ev.target_ids)
+        counts[key] = counts.get(key, 0) + 1
+        drafted += ev.stats.drafted
+        accepted += ev.stats.accepted
+    return counts, accepted / max(1, drafted)
+
+
+def assert_matches(counts, joint):
+    assert set(counts) <= set(joint), f"outputs the target cannot produce: {set(counts) - set(joint)}"
+    cells = sorted(joint, key=joint.get, reverse=True)
+    obs, exp, pool_o, pool_e = [], [], 0, 0.0
+    for c in cells:
+        e = joint[c] * N
+        if e >= 5:
+            obs.append(counts.get(c, 0))
+            exp.append(e)
+        else:
+            pool_o += counts.get(c, 0)
+            pool_e += e
+    if pool_e > 0:
+        obs.append(pool_o)
+        exp.append(pool_e)
+    total = sum(exp)
+    exp = [e * sum(obs) / total for e in exp]
+    result = chisquare(obs, exp)
+    assert result.pvalue > ALPHA, f"observed {obs} expected {[round(e) for e in exp]} (p={result.pvalue:.1e})"
+
+
+@pytest.fixture(scope="module")
+def pairs(real_tokenizers):
+    tq = real_tokenizers[QWEN]
+    out = {}
+    for name in (SMOL, QWEN):
+        td = real_tokenizers[name] if name != QWEN else tq
+        target, drafter = tiny_pair(tq, td, seed=1)
+        out[name] = (Pair(target, tq, drafter, td), tq.encode(PROMPT), td.encode(PROMPT))
+    return out
+
+
+@pytest.mark.parametrize(("drafter", "algorithm"), [(SMOL, "tli"), (SMOL, "slem"), (QWEN, "standard")])
+def test_first_two_tokens_distributed_as_plain_sampling(pairs, drafter, algorithm):
+    pair, ids, dids = pairs[drafter]
+    joint = exact_joint(pair.target, ids, SamplingParams(temperature=1.0, top_k=4))
+    counts, alpha = run(pair, ids, dids, algorithm)
+    assert 0.02 < alpha < 0.98, f"acceptance {alpha:.2f}: the test must exercise both accept and reject paths"
+    assert_matches(counts, joint)
+
+
+def test_plain_sampling_through_the_loop_matches_too(pairs):
+    pair, ids, dids = pairs[SMOL]
+    joint = exact_joint(pair.target, ids, SamplingParams(temperature=1.0, top_k=4))
+    counts, _ = run(pair, ids, dids, "none")
+    assert_matches(counts, joint)

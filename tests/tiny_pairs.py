@@ -1,0 +1,44 @@
+"""Tiny random target/drafter pairs that use the real tokenizers, fast enough for thousands of samples.
+
+The drafter shares the target's transformer body and copies the target's embedding and LM-head rows for every token
+in the shared vocabulary (plus noise), so its proposals overlap the target's without being equal: both the accept and
+the reject paths of every rule get exercised.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from usd.vocab import align
+
+
+def _config(vocab: int) -> LlamaConfig:
+    return LlamaConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                       num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=256,
+                       tie_word_embeddings=False)  # fmt: skip
+
+
+@torch.no_grad()
+def tiny_pair(target_tokenizer, drafter_tokenizer, seed: int = 0, sharpness: float = 60.0, noise: float = 0.15):
+    torch.manual_seed(seed)
+    target = LlamaForCausalLM(_config(len(target_tokenizer))).eval()
+    # Weak attention makes the next token depend mostly on the last one (a near-bigram model), so two tokenizations
+    # of the same text lead both models to similar distributions, as real models of one language do.
+    for layer in target.model.layers:
+        layer.self_attn.o_proj.weight.mul_(0.05)
+    drafter = LlamaForCausalLM(_config(len(drafter_tokenizer))).eval()
+    drafter.model.layers.load_state_dict(target.model.layers.state_dict())
+    drafter.model.norm.load_state_dict(target.model.norm.state_dict())
+    if drafter_tokenizer is target_tokenizer:
+        d_ids = t_ids = torch.arange(len(target_tokenizer))
+    else:
+        d2t = align(target_tokenizer, drafter_tokenizer).drafter_to_target
+        d_ids, t_ids = torch.tensor(list(d2t)), torch.tensor(list(d2t.values()))
+    # A few dozen "likely" tokens, mostly shared ones plus some the drafter cannot spell, carry nearly all the mass.
+    likely = torch.cat([t_ids[torch.randperm(len(t_ids))[:48]], torch.randint(len(target_tokenizer), (16,))])
+    target.lm_head.weight[likely] *= sharpness
+    drafter.model.embed_tokens.weight[d_ids] = target.model.embed_tokens.weight[t_ids]
+    drafter.lm_head.weight[d_ids] = target.lm_head.weight[t_ids]
+    drafter.lm_head.weight.add_(noise * sharpness * 0.02 * torch.randn_like(drafter.lm_head.weight))
+    return target, drafter

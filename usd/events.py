@@ -1,0 +1,90 @@
+"""What the decode loop yields: one `Round` per target forward, then one `Finished`. Frozen, UI-free."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+KINDS = ("accepted", "rejected", "resampled", "bonus", "target")
+
+
+@dataclass(frozen=True)
+class Piece:
+    text: str
+    kind: str
+    """accepted (drafted and kept), rejected (drafted, thrown away), resampled, bonus, or target (plain decoding)."""
+    target_id: int | None
+    round: int
+    drafter_ids: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class Round:
+    index: int
+    k: int
+    pieces: tuple[Piece, ...]
+    """Accepted candidates, then the rejected ones, then the target's own token (resampled, bonus or target)."""
+    drafted: int
+    accepted: int
+    draft_s: float
+    verify_s: float
+    other_s: float
+
+    @property
+    def emitted(self) -> tuple[Piece, ...]:
+        return tuple(p for p in self.pieces if p.kind != "rejected")
+
+
+@dataclass(frozen=True)
+class Stats:
+    algorithm: str
+    rounds: int
+    drafted: int
+    accepted: int
+    tokens: int
+    wall_s: float
+    stop_reason: str
+    c: float | None
+    """Drafter step time / target single-token step time."""
+    v: float | None
+    """Verify forward time / target single-token step time."""
+    mean_k: float
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    alpha = acceptance_rate
+
+    @property
+    def tokens_per_round(self) -> float:
+        return self.tokens / self.rounds if self.rounds else 0.0
+
+    tau = tokens_per_round
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.wall_s if self.wall_s > 0 else 0.0
+
+    @property
+    def theoretical_speedup(self) -> float | None:
+        from .theory import expected_speedup
+
+        if self.c is None or self.v is None or self.mean_k == 0:
+            return None
+        return expected_speedup(self.acceptance_rate, round(self.mean_k), self.c, self.v)
+
+    def as_dict(self) -> dict:
+        return {
+            "algorithm": self.algorithm, "rounds": self.rounds, "drafted": self.drafted, "accepted": self.accepted,
+            "tokens": self.tokens, "acceptance_rate": self.acceptance_rate, "tokens_per_round": self.tokens_per_round,
+            "wall_s": self.wall_s, "tokens_per_s": self.tokens_per_s, "stop_reason": self.stop_reason,
+            "c": self.c, "v": self.v, "mean_k": self.mean_k, "theoretical_speedup": self.theoretical_speedup,
+        }  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Finished:
+    text: str
+    target_ids: tuple[int, ...]
+    """The generated target token ids (the prompt excluded)."""
+    stats: Stats
