@@ -52,8 +52,10 @@ def test_every_algorithm_equals_plain_greedy(pair, prompt):
         shown = "".join(p.text for e in events[:-1] for p in e.emitted)
         # pieces hold back a multi-byte character split by max_new_tokens; the final text shows it as U+FFFD
         assert done.text == shown or (done.text.startswith(shown) and done.text[len(shown) :] == "\ufffd")
+        rounds = events[:-1]
+        assert rounds[0].k == 0 and all(r.drafted <= r.k for r in rounds)
         if algorithm != "none":
-            assert done.stats.drafted > 0
+            assert done.stats.drafted > 0 and any(r.k == 4 for r in rounds)
             assert done.stats.c is not None and done.stats.v is not None
 
 
@@ -61,3 +63,16 @@ def test_speculation_accepts_drafted_tokens_on_code(pair):
     ids = pair.target_tokenizer.encode(PROMPTS[0])
     *_, done = stream(pair, ids, pair.drafter_tokenizer.encode(PROMPTS[0]), algorithm="slem", k=4, max_new_tokens=32)
     assert done.stats.acceptance_rate > 0.2 and done.stats.tokens_per_round > 1.2
+
+
+@pytest.mark.parametrize("algorithm", ["none", "tli", "slem"])
+def test_stop_string_ends_the_answer_where_plain_text_first_contains_it(pair, algorithm):
+    ids = pair.target_tokenizer.encode(PROMPTS[0])
+    dids = pair.drafter_tokenizer.encode(PROMPTS[0])
+    *_, plain = stream(pair, ids, dids, algorithm="none", max_new_tokens=MAX_NEW)
+    stop = "return"
+    assert stop in plain.text
+    *_, done = stream(pair, ids, dids, algorithm=algorithm, k=4, max_new_tokens=MAX_NEW, stop_strings=(stop,))
+    assert done.stats.stop_reason == "stop_string"
+    assert stop in done.text and stop not in done.text[:-1]  # the last token completed it, not an earlier one
+    assert list(done.target_ids) == list(plain.target_ids[: len(done.target_ids)])

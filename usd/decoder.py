@@ -63,6 +63,12 @@ def _utf8_complete(b: bytes) -> bytes:
     return b""
 
 
+def _tail_text(text: bytes, new: int, stop_strings: tuple[str, ...]) -> str:
+    """The end of the answer that a stop string completed by the last `new` bytes must lie in."""
+    window = new + max(len(s.encode()) for s in stop_strings) + 3  # +3: a character split at the window's start
+    return text[-window:].decode("utf-8", "replace")
+
+
 def _bytes_of(tb: TokenizerBytes, i: int) -> bytes:
     b = tb.bytes_of.get(i)
     return b if b is not None else tb.specials.get(i, "").encode()
@@ -100,7 +106,8 @@ class Pair:
         return self._cache["db"]
 
     def intersection(self):
-        """(drafter ids in I, their target ids), as tensors: TLI's map from drafter to target vocabulary."""
+        """TLI's map from drafter to target vocabulary, built once per pair: (drafter ids in I, their target ids,
+        target vocab size, a [vocab_d] mask of I, a [vocab_d] drafter->target id table with -1 outside I)."""
         if "map" not in self._cache:
             vocab_t = self.target.get_output_embeddings().weight.shape[0]
             vocab_d = self.drafter.get_output_embeddings().weight.shape[0]
@@ -111,7 +118,12 @@ class Pair:
                 d2t = align(self.target_tokenizer, self.drafter_tokenizer).drafter_to_target
                 pairs = sorted((d, t) for d, t in d2t.items() if d < vocab_d and t < vocab_t)
                 d_ids, t_ids = [d for d, _ in pairs], [t for _, t in pairs]
-            self._cache["map"] = (torch.tensor(d_ids), torch.tensor(t_ids), vocab_t, vocab_d)
+            d_ids, t_ids = torch.tensor(d_ids, dtype=torch.long), torch.tensor(t_ids, dtype=torch.long)
+            allowed = torch.zeros(vocab_d, dtype=torch.bool)
+            allowed[d_ids] = True
+            to_target = torch.full((vocab_d,), -1, dtype=torch.long)
+            to_target[d_ids] = t_ids
+            self._cache["map"] = (d_ids, t_ids, vocab_t, allowed, to_target)
         return self._cache["map"]
 
     def eos_ids(self) -> set[int]:
@@ -174,7 +186,6 @@ def stream(
     committed = b""  # the generated text's bytes
     emitted_text = b""  # bytes already handed out as piece text (whole characters only)
     rounds = drafted_total = accepted_total = 0
-    k_sum = 0
     t_plain, t_verify, t_draft_step = [], [], []
     stop_reason = None
 
@@ -197,7 +208,7 @@ def stream(
         if k_round > 0:
             candidates, q_rows, cand_drafter_ids = _draft(pair, algo, drafter, k_round, params, g, eos)
             if candidates:
-                t_draft_step.append((time.perf_counter() - t0) / max(1, k_round))
+                t_draft_step.append((time.perf_counter() - t0) / k_round)
         t1 = time.perf_counter()
         n_before = len(target.ids)
         target.ids.extend(candidates)
@@ -240,7 +251,8 @@ def stream(
             kind_j = "accepted" if j < accepted else kind
             dids = cand_drafter_ids[j] if j < accepted else ()
             pieces.append(Piece(text, kind_j, t, rounds, dids))
-            if stop_strings and any(s in (committed + new_bytes).decode("utf-8", "replace") for s in stop_strings):
+            if stop_strings and any(s in _tail_text(committed + new_bytes, len(new_bytes), stop_strings)
+                                    for s in stop_strings):  # fmt: skip
                 keep, stop_reason = j + 1, "stop_string"
                 break
         rejected = [Piece(_bytes_of(tb, t).decode("utf-8", "replace"), "rejected", t, rounds, cand_drafter_ids[j])
@@ -251,22 +263,20 @@ def stream(
         pieces = pieces[:accepted_in_text] + rejected + pieces[accepted_in_text:keep]
         drafted_total += len(candidates)
         accepted_total += accepted
-        k_sum += len(candidates)
         rounds += 1
 
         if drafter is not None and stop_reason is None:
             _sync_drafter(pair, drafter, drafter_prompt_len, generated, committed)
         t3 = time.perf_counter()
-        yield Round(rounds - 1, len(candidates), tuple(pieces), len(candidates), accepted,
+        yield Round(rounds - 1, k_round, tuple(pieces), len(candidates), accepted,
                     t1 - t0, t2 - t1, t3 - t2)  # fmt: skip
 
     wall = time.perf_counter() - t_start
     t_step = sum(t_plain) / len(t_plain) if t_plain else None
     c = (sum(t_draft_step) / len(t_draft_step) / t_step) if (t_step and t_draft_step) else None
     v = (sum(t_verify) / len(t_verify) / t_step) if (t_step and t_verify) else None
-    spec_rounds = sum(1 for _ in t_verify)
     stats = Stats(algo, rounds, drafted_total, accepted_total, len(generated), wall, stop_reason, c, v,
-                  k_sum / spec_rounds if spec_rounds else 0.0)  # fmt: skip
+                  drafted_total / len(t_verify) if t_verify else 0.0)  # fmt: skip
     text = pair.target_tokenizer.decode(generated, skip_special_tokens=False)
     yield Finished(text, tuple(generated), stats)
 
@@ -275,11 +285,8 @@ def _draft(pair: Pair, algo: str, drafter: Context, k: int, params: SamplingPara
     """Propose up to k candidates in target ids. Returns (candidates, q rows over target ids, drafter ids each)."""
     if algo == "slem":
         return _draft_slem(pair, drafter, k, eos)
-    d_ids, t_ids, vocab_t, vocab_d = pair.intersection()
-    allowed = torch.zeros(vocab_d, dtype=torch.bool)
-    allowed[d_ids] = True
-    to_target = torch.full((vocab_d,), -1, dtype=torch.long)
-    to_target[d_ids] = t_ids
+    d_ids, t_ids, vocab_t, allowed, to_target = pair.intersection()
+    vocab_d = allowed.shape[0]
     candidates, q_rows, dids = [], [], []
     for _ in range(k):
         logits = drafter.forward()[-1][:vocab_d]

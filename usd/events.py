@@ -21,6 +21,7 @@ class Piece:
 class Round:
     index: int
     k: int
+    """The draft length asked for this round (0 for a plain step); `drafted` can be fewer (drafted eos, SLEM trim)."""
     pieces: tuple[Piece, ...]
     """Accepted candidates, then the rejected ones, then the target's own token (resampled, bonus or target)."""
     drafted: int
