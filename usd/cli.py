@@ -1,10 +1,11 @@
-"""The `usd` command line: pull, models, overlap (generate and bench come with the engine)."""
+"""The `usd` command line: pull, models, overlap, generate, bench."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import sys
+from pathlib import Path
 
 from .catalog import CatalogError, load_catalog
 from .loading import LoadError, default_device, entry_for, plan_load
@@ -88,6 +89,94 @@ def cmd_overlap(args) -> int:
     return 0
 
 
+_COLOURS = {"accepted": "\x1b[32m", "rejected": "\x1b[2;9;31m", "resampled": "\x1b[33m", "bonus": "\x1b[36m",
+            "target": ""}  # green, dim struck-through red, yellow, cyan, plain
+_RESET = "\x1b[0m"
+
+
+def _draft_tokens(value: str) -> int | str:
+    if value == "auto":
+        return value
+    try:
+        k = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of tokens or 'auto', got {value!r}") from None
+    if not 0 <= k <= 64:
+        raise argparse.ArgumentTypeError(f"draft tokens must be from 0 to 64, got {k}")
+    return k
+
+
+def _generation_input(args) -> dict:
+    if args.messages_file:
+        try:
+            messages = json.loads(Path(args.messages_file).read_text(encoding="utf-8"))
+        except (OSError, ValueError) as e:
+            raise SystemExit(f"usd generate: cannot read messages from {args.messages_file}: {e}") from None
+        return {"messages": messages}
+    if args.prompt_file:
+        try:
+            prompt = Path(args.prompt_file).read_text(encoding="utf-8")
+        except OSError as e:
+            raise SystemExit(f"usd generate: cannot read the prompt file: {e}") from None
+    else:
+        prompt = args.prompt
+    return {"prompt": prompt, "chat_mode": args.chat}
+
+
+def _result(done) -> dict:
+    s = done.stats
+    return {"text": done.text, "target_token_ids": list(done.target_ids), "stats": {
+        "algorithm": s.algorithm, "rounds": s.rounds, "drafted": s.drafted, "accepted": s.accepted,
+        "acceptance_rate": s.acceptance_rate, "tokens_per_round": s.tokens_per_round, "wall_s": s.wall_s,
+        "tokens_per_s": s.tokens_per_s, "stop_reason": s.stop_reason, "tokens": s.tokens, "c": s.c, "v": s.v,
+        "mean_k": s.mean_k, "theoretical_speedup": s.theoretical_speedup,
+        "rounds_by_algorithm": dict(s.rounds_by_algorithm)}}  # fmt: skip
+
+
+def cmd_generate(args) -> int:
+    from . import api
+    from .events import Finished
+
+    catalog = _catalog(args)
+    pair = api.load_pair(args.target, args.drafter if args.algorithm != "none" else False, catalog=catalog,
+                         device=args.device, precision=args.precision,
+                         log=lambda m: print(m, file=sys.stderr))  # fmt: skip
+    inputs = _generation_input(args)
+    settings = {"algorithm": args.algorithm, "draft_tokens": args.draft_tokens, "temperature": args.temperature,
+                "top_p": args.top_p, "top_k": args.top_k, "max_new_tokens": args.max_new_tokens}  # fmt: skip
+    seed = args.seed if args.seed is not None else (0 if args.samples else None)
+    colour = sys.stdout.isatty() and not args.json
+    results = []
+    for i in range(args.samples or 1):
+        s = None if seed is None else seed + i
+        for event in api.stream(pair, **inputs, **settings, seed=s):
+            if isinstance(event, Finished):
+                results.append(_result(event))
+            elif not args.json:
+                for piece in event.pieces:
+                    if colour:
+                        sys.stdout.write(_COLOURS[piece.kind] + piece.text + _RESET)
+                    elif piece.kind != "rejected":
+                        sys.stdout.write(piece.text)
+                sys.stdout.flush()
+        if not args.json:
+            st = results[-1]["stats"]
+            print()
+            print(f"[{st['algorithm']}: {st['tokens']} tokens in {st['wall_s']:.2f} s, {st['tokens_per_s']:.1f} "
+                  f"tokens/s, alpha {st['acceptance_rate']:.2f}, tau {st['tokens_per_round']:.2f}, "
+                  f"stopped: {st['stop_reason']}]", file=sys.stderr)  # fmt: skip
+    if args.json:
+        out = {"samples": results} if args.samples else results[0]
+        print(json.dumps(out, ensure_ascii=False))
+    return 0
+
+
+def cmd_bench(args) -> int:
+    from .bench import run_cli
+
+    return run_cli(args, _catalog(args))
+
+
 def _config_vocab(path) -> int | None:
     try:
         cfg = json.loads((path / "config.json").read_text())
@@ -117,6 +206,35 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("drafter")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_overlap)
+
+    p = sub.add_parser("generate", help="generate with speculative decoding; the answer is exactly the target's")
+    p.add_argument("--target", help="catalog name, local directory or hub id (default: the catalog's default)")
+    p.add_argument("--drafter", help="catalog name, local directory or hub id (default: the catalog's default)")
+    p.add_argument("--algorithm", default="auto", choices=["auto", "standard", "tli", "slem", "none"])
+    p.add_argument("--draft-tokens", type=_draft_tokens, default="auto", metavar="{K,auto}",
+                   help="draft length per round, or auto to adapt it (default)")  # fmt: skip
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0, help="0 = off")
+    p.add_argument("--seed", type=int, help="random seed for sampling (with --samples: the first of N)")
+    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--chat", action="store_true", help="send the prompt as one user message through chat templates")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", help="the prompt text")
+    src.add_argument("--prompt-file", metavar="F", help="read the prompt from a file")
+    src.add_argument("--messages-file", metavar="F", help="a JSON list of {role, content} messages (implies chat)")
+    p.add_argument("--samples", type=int, metavar="N", help="N independent generations, seeds S..S+N-1")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
+    p.add_argument("--device", choices=["cpu", "cuda"], help="default: cuda when present")
+    p.add_argument("--precision", choices=["nf4", "int8", "bf16", "fp16", "fp32"],
+                   help="override the catalog's precision for both models")  # fmt: skip
+    p.set_defaults(func=cmd_generate)
+
+    from .bench import add_arguments
+
+    p = sub.add_parser("bench", help="all algorithms side by side on a prompt set, with speedups and identity")
+    add_arguments(p)
+    p.set_defaults(func=cmd_bench)
     return parser
 
 
@@ -124,7 +242,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except (CatalogError, StoreError, LoadError) as e:
+    except (CatalogError, StoreError, LoadError, ValueError) as e:
         print(f"usd {args.command}: {e}", file=sys.stderr)
         return 2
 

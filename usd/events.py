@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 KINDS = ("accepted", "rejected", "resampled", "bonus", "target")
 
@@ -29,6 +29,8 @@ class Round:
     draft_s: float
     verify_s: float
     other_s: float
+    algorithm: str = ""
+    """What ran this round: none (a plain step), standard, tli or slem; `auto` picks one per round."""
 
     @property
     def emitted(self) -> tuple[Piece, ...]:
@@ -49,6 +51,11 @@ class Stats:
     v: float | None
     """Verify forward time / target single-token step time."""
     mean_k: float
+    """Mean draft length over the rounds that drafted."""
+    rounds_by_algorithm: dict = field(default_factory=dict)
+    """How many rounds each algorithm ran (plain steps count as none)."""
+    forward_s: float = 0.0
+    """Seconds inside model forwards (target and drafter, prefill included); the rest of wall_s is overhead."""
 
     @property
     def acceptance_rate(self) -> float:
@@ -67,6 +74,11 @@ class Stats:
         return self.tokens / self.wall_s if self.wall_s > 0 else 0.0
 
     @property
+    def overhead_share(self) -> float:
+        """Share of wall time spent outside model forwards: drafting logic, verification, syncing, streaming."""
+        return max(0.0, 1.0 - self.forward_s / self.wall_s) if self.wall_s > 0 else 0.0
+
+    @property
     def theoretical_speedup(self) -> float | None:
         from .theory import expected_speedup
 
@@ -80,6 +92,8 @@ class Stats:
             "tokens": self.tokens, "acceptance_rate": self.acceptance_rate, "tokens_per_round": self.tokens_per_round,
             "wall_s": self.wall_s, "tokens_per_s": self.tokens_per_s, "stop_reason": self.stop_reason,
             "c": self.c, "v": self.v, "mean_k": self.mean_k, "theoretical_speedup": self.theoretical_speedup,
+            "rounds_by_algorithm": dict(self.rounds_by_algorithm), "forward_s": self.forward_s,
+            "overhead_share": self.overhead_share,
         }  # fmt: skip
 
 

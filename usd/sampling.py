@@ -58,8 +58,16 @@ def make_generator(seed: int | None) -> torch.Generator:
 
 
 def sample(p: torch.Tensor, generator: torch.Generator) -> int:
-    """One token id from a [V] distribution."""
-    return int(torch.multinomial(p.cpu(), 1, generator=generator))
+    """One token id from a [V] distribution, by inverting its CDF at one uniform draw: a single pass over the
+    vocabulary, several times cheaper than torch.multinomial on 150k-260k vocabularies."""
+    cdf = p.cpu().double().cumsum(0)
+    u = float(torch.rand((), generator=generator, dtype=torch.float64)) * float(cdf[-1])
+    i = int(torch.searchsorted(cdf, torch.tensor([u], dtype=torch.float64), right=True))
+    # rounding can land u on the very end; step back to the last token with mass
+    i = min(i, p.shape[0] - 1)
+    while float(p[i]) <= 0.0:
+        i -= 1
+    return i
 
 
 def uniform(generator: torch.Generator) -> float:

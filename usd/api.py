@@ -1,0 +1,105 @@
+"""The Python API: load a pair, stream a generation's events, or generate and take the result.
+
+    import usd
+    pair = usd.load_pair("qwen2.5-coder-0.5b-instruct", "smollm2-135m-instruct")
+    for event in usd.stream(pair, "def fibonacci(n):", max_new_tokens=64):
+        ...  # a Round per target forward, then a Finished
+    done = usd.generate(pair, messages=[{"role": "user", "content": "Hi!"}], temperature=0.7, seed=1)
+    print(done.text, done.stats.acceptance_rate)
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+
+from . import chat, decoder
+from .catalog import Catalog, load_catalog
+from .events import Finished, Round
+from .loading import entry_for, load_model
+from .pair import Pair
+from .sampling import SamplingParams
+
+DEFAULT_MAX_NEW_TOKENS = 256
+
+
+def load_pair(
+    target: str | None = None,
+    drafter: str | bool | None = None,
+    *,
+    catalog: Catalog | None = None,
+    device: str | None = None,
+    precision: str | None = None,
+    drafter_precision: str | None = None,
+    log=print,
+) -> Pair:
+    """Load a target and a drafter (catalog names, local directories or hub ids; None = the catalog's default pair,
+    `drafter=False` = no drafter). Each is fetched and verified first if needed; raises LoadError with the reason."""
+    catalog = catalog or load_catalog()
+    target = target or catalog.default.target
+    if drafter is None:
+        drafter = catalog.default.drafter
+    t_entry = entry_for(target, catalog)
+    t = load_model(t_entry, device=device, precision=precision, catalog=catalog, log=log)
+    d = None
+    if drafter:
+        d = load_model(entry_for(drafter, catalog), device=device, precision=drafter_precision or precision,
+                       catalog=catalog, log=log)  # fmt: skip
+    limits = [getattr(t.model.config, "max_position_embeddings", None), t_entry.context_length]
+    limits = [n for n in limits if n]
+    return Pair(t.model, t.tokenizer, d.model if d else None, d.tokenizer if d else None,
+                target_name=t.name, drafter_name=d.name if d else None,
+                context_length=min(limits) if limits else None)  # fmt: skip
+
+
+def stream(
+    pair: Pair,
+    prompt: str | None = None,
+    *,
+    messages: list[dict] | None = None,
+    chat_mode: bool = False,
+    algorithm: str = "auto",
+    draft_tokens: int | str = "auto",
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    top_k: int = 0,
+    seed: int | None = None,
+    max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
+    stop_strings: tuple[str, ...] = (),
+    cancel: threading.Event | None = None,
+    drafter_rendering: str = "auto",
+) -> Iterator[Round | Finished]:
+    """Yield a Round per target forward, then a Finished. A raw `prompt` is continued as text; with `chat_mode` it
+    is one user message; `messages` is a whole conversation ([{role, content}], the last one the user's).
+    Bad input raises ValueError (PromptError for the prompt) before any model work, with what to change."""
+    if messages is None and chat_mode:
+        if not isinstance(prompt, str) or not prompt.strip():
+            raise chat.PromptError("the prompt is empty; type a question or some text to continue")
+        messages = [{"role": "user", "content": prompt}]
+    params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+    rendering = chat.choose_rendering(pair.memory, drafter_rendering)
+    t_ids, d_ids = chat.prompt_ids(pair, prompt, messages, rendering)
+    if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
+        raise ValueError(f"max new tokens must be a whole number >= 1, got {max_new_tokens!r}")
+    limit = pair.context_length
+    if limit and len(t_ids) + max_new_tokens > limit:
+        if len(t_ids) >= limit:
+            raise chat.PromptError(f"the prompt is {len(t_ids):,} tokens, longer than {pair.target_name}'s context of "
+                                   f"{limit:,} tokens; shorten it or start a new chat")  # fmt: skip
+        raise chat.PromptError(f"the prompt ({len(t_ids):,} tokens) plus max new tokens ({max_new_tokens:,}) exceeds "
+                               f"{pair.target_name}'s context of {limit:,} tokens; lower max new tokens to at most "
+                               f"{limit - len(t_ids):,} or shorten the prompt")  # fmt: skip
+    events = decoder.stream(pair, t_ids, d_ids, algorithm=algorithm, k=draft_tokens, params=params,
+                            max_new_tokens=max_new_tokens, stop_strings=tuple(stop_strings), cancel=cancel)  # fmt: skip
+    for event in events:
+        if isinstance(event, Finished) and messages is not None and pair.drafter is not None:
+            chat.record_rendering(pair.memory, rendering, event.stats.accepted, event.stats.drafted)
+        yield event
+
+
+def generate(pair: Pair, prompt: str | None = None, **kwargs) -> Finished:
+    """Run a whole generation; return the Finished event (text, target_ids, stats). Same arguments as `stream`."""
+    done = None
+    for event in stream(pair, prompt, **kwargs):
+        done = event
+    return done

