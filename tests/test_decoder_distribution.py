@@ -1,10 +1,11 @@
 """Under sampling, the decoder's output is distributed exactly as plain sampling from the target.
 
-Tiny random models with the real tokenizers (Qwen target; SmolLM2 drafter, and Qwen itself for `standard`).
-For the first two generated
-tokens we compute the target's exact joint distribution (temperature 1, top-k 4) and run a chi-square goodness-of-fit
-test on N independent speculative generations: false-alarm rate 1e-4 per test. Cells with small expected counts are
-pooled so the chi-square approximation holds.
+Tiny random models with the real tokenizers of three families: a Qwen target with a SmolLM2 drafter (tli, slem, and
+auto with adaptive draft length, which switches algorithms and lengths between rounds) and with Qwen itself
+(`standard`); a SmolLM2 target with a Gemma drafter (SentencePiece with byte fallback: tli, slem).
+For the first two generated tokens we compute the target's exact joint distribution (temperature 1, top-k 4) and run
+a chi-square goodness-of-fit test on N independent speculative generations: false-alarm rate 1e-4 per test. Cells
+with small expected counts are pooled so the chi-square approximation holds.
 """
 
 from __future__ import annotations
@@ -14,12 +15,13 @@ import torch
 from scipy.stats import chisquare
 from tiny_pairs import tiny_pair
 
-from usd.decoder import Pair, stream
+from usd.decoder import stream
+from usd.pair import Pair
 from usd.sampling import SamplingParams, probabilities
 
 pytestmark = pytest.mark.real_models
 
-QWEN, SMOL = "qwen2.5-coder-0.5b-instruct", "smollm2-135m-instruct"
+QWEN, SMOL, GEMMA = "qwen2.5-coder-0.5b-instruct", "smollm2-135m-instruct", "gemma-3-270m"
 PROMPT = "def add(a, b):\n    return"
 N = 1000
 ALPHA = 1e-4
@@ -36,11 +38,11 @@ def exact_joint(target, ids, params) -> dict[tuple[int, int], float]:
     return joint
 
 
-def run(pair, ids, dids, algorithm):
+def run(pair, ids, dids, algorithm, k=3):
     counts, drafted, accepted = {}, 0, 0
     for seed in range(N):
         params = SamplingParams(temperature=1.0, top_k=4, seed=seed)
-        *_, ev = stream(pair, ids, dids, algorithm=algorithm, k=3, params=params, max_new_tokens=2, probe_first=False)
+        *_, ev = stream(pair, ids, dids, algorithm=algorithm, k=k, params=params, max_new_tokens=2, probe_first=False)
         key = tuple(ev.target_ids)
         counts[key] = counts.get(key, 0) + 1
         drafted += ev.stats.drafted
@@ -69,28 +71,35 @@ def assert_matches(counts, joint):
     assert result.pvalue > ALPHA, f"observed {obs} expected {[round(e) for e in exp]} (p={result.pvalue:.1e})"
 
 
+PAIRS = {"qwen+smol": (QWEN, SMOL), "qwen+qwen": (QWEN, QWEN), "smol+gemma": (SMOL, GEMMA)}
+
+
 @pytest.fixture(scope="module")
 def pairs(real_tokenizers):
-    tq = real_tokenizers[QWEN]
     out = {}
-    for name in (SMOL, QWEN):
-        td = real_tokenizers[name] if name != QWEN else tq
-        target, drafter = tiny_pair(tq, td, seed=1)
-        out[name] = (Pair(target, tq, drafter, td), tq.encode(PROMPT), td.encode(PROMPT))
+    for key, (t_name, d_name) in PAIRS.items():
+        tt, td = real_tokenizers[t_name], real_tokenizers[d_name]
+        target, drafter = tiny_pair(tt, td, seed=1)
+        out[key] = (Pair(target, tt, drafter, td), tt.encode(PROMPT), td.encode(PROMPT))
     return out
 
 
-@pytest.mark.parametrize(("drafter", "algorithm"), [(SMOL, "tli"), (SMOL, "slem"), (QWEN, "standard")])
-def test_first_two_tokens_distributed_as_plain_sampling(pairs, drafter, algorithm):
-    pair, ids, dids = pairs[drafter]
+@pytest.mark.parametrize(("key", "algorithm", "k"), [
+    ("qwen+smol", "tli", 3), ("qwen+smol", "slem", 3), ("qwen+smol", "auto", "auto"), ("qwen+qwen", "standard", 3),
+    ("smol+gemma", "tli", 3), ("smol+gemma", "slem", 3),
+])  # fmt: skip
+def test_first_two_tokens_distributed_as_plain_sampling(pairs, key, algorithm, k):
+    pair, ids, dids = pairs[key]
     joint = exact_joint(pair.target, ids, SamplingParams(temperature=1.0, top_k=4))
-    counts, alpha = run(pair, ids, dids, algorithm)
+    counts, alpha = run(pair, ids, dids, algorithm, k)
     assert 0.02 < alpha < 0.98, f"acceptance {alpha:.2f}: the test must exercise both accept and reject paths"
     assert_matches(counts, joint)
+    if algorithm == "auto":  # it must really have switched between what it can do
+        assert {"none", "tli", "slem"} <= set(pair.memory["schedule"]["cost"])
 
 
 def test_plain_sampling_through_the_loop_matches_too(pairs):
-    pair, ids, dids = pairs[SMOL]
+    pair, ids, dids = pairs["qwen+smol"]
     joint = exact_joint(pair.target, ids, SamplingParams(temperature=1.0, top_k=4))
     counts, _ = run(pair, ids, dids, "none")
     assert_matches(counts, joint)

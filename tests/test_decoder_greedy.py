@@ -1,15 +1,24 @@
-"""Greedy speculative output is token-identical to plain greedy decoding on the real pair, in float32 on CPU."""
+"""Greedy speculative output is token-identical to plain greedy decoding on the real pair, in float32 on CPU:
+Qwen2.5-Coder-0.5B-Instruct target with the SmolLM2-135M-Instruct drafter (and Gemma-3-270m as a third family),
+every algorithm, twelve prompts (code, chat, CJK, emoji, long whitespace, a prompt over 1,000 tokens, ...), raw and
+through chat templates; and equal to transformers' own cross-tokenizer assisted generation."""
 
 from __future__ import annotations
+
+import copy
 
 import pytest
 import torch
 
-from usd.decoder import Pair, stream
+from usd import api
+from usd.decoder import stream
 from usd.events import Finished, Round
+from usd.pair import Pair
 
 pytestmark = pytest.mark.real_models
 
+FUNC = 'def add_{i}(x):\n    """Return x plus {i}."""\n    return x + {i}\n\n\n'
+LONG = "".join(FUNC.format(i=i) for i in range(60)) + "def add_60(x):"
 PROMPTS = [
     "def fibonacci(n):",
     "The capital of France is",
@@ -17,46 +26,125 @@ PROMPTS = [
     "Emoji party: 🎉🎉",
     "x =     [1,    2,\n\n\n    3]",
     "Écrivez une phrase en français : ",
+    "class Stack:\n    def __init__(self):\n        self.items = []\n\n    def push(self, item):",
+    "Столица России —",
+    '{"name": "Ada", "languages": ["',
+    "| a | b |\n|---|---|\n| 1 | 2 |\n",
+    "1 + 1 = 2\n2 + 2 = 4\n3 + 3 =",
+    LONG,
 ]
 MAX_NEW = 24
+ALGORITHMS = [("tli", 4), ("slem", 4), ("auto", "auto")]
+MORE = [("none", 4), ("tli", "auto"), ("slem", "auto"), ("tli", 1), ("slem", 8)]
+"""Also run on every third prompt: CI time is spent where bugs would differ."""
+
+
+def load_pair(catalog, target, drafter) -> Pair:
+    from usd.loading import load_model
+
+    t = load_model(catalog.get(target), device="cpu", precision="fp32", log=lambda m: None)
+    d = load_model(catalog.get(drafter), device="cpu", precision="fp32", log=lambda m: None)
+    return Pair(t.model, t.tokenizer, d.model, d.tokenizer, t.name, d.name, context_length=32768)
 
 
 @pytest.fixture(scope="module")
 def pair(catalog, real_paths):
+    return load_pair(catalog, "qwen2.5-coder-0.5b-instruct", "smollm2-135m-instruct")
+
+
+@pytest.fixture(scope="module")
+def gemma_pair(catalog, real_paths, pair):
     from usd.loading import load_model
 
-    t = load_model(catalog.get("qwen2.5-coder-0.5b-instruct"), device="cpu", precision="fp32", log=lambda m: None)
-    d = load_model(catalog.get("smollm2-135m-instruct"), device="cpu", precision="fp32", log=lambda m: None)
-    return Pair(t.model, t.tokenizer, d.model, d.tokenizer)
+    d = load_model(catalog.get("gemma-3-270m"), device="cpu", precision="fp32", log=lambda m: None)
+    return Pair(pair.target, pair.target_tokenizer, d.model, d.tokenizer, "qwen", "gemma", 32768)
 
 
-@pytest.mark.parametrize("prompt", PROMPTS)
+@torch.no_grad()
+def plain_greedy(model, ids: list[int], n: int = MAX_NEW) -> list[int]:
+    return model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                          max_new_tokens=n, do_sample=False)[0, len(ids) :].tolist()  # fmt: skip
+
+
+def check_same(done: Finished, ref: list[int], eos: set[int], what: str) -> None:
+    out = list(done.target_ids)
+    if done.stats.stop_reason == "eos":
+        assert out == ref[: len(out)] and ref[len(out)] in eos, f"{what}: differs from plain greedy"
+    else:
+        assert done.stats.stop_reason == "max_tokens" and out == ref[:MAX_NEW], f"{what}: differs from plain greedy"
+
+
+@pytest.mark.parametrize("prompt", PROMPTS, ids=range(len(PROMPTS)))
 def test_every_algorithm_equals_plain_greedy(pair, prompt):
     ids = pair.target_tokenizer.encode(prompt)
     dids = pair.drafter_tokenizer.encode(prompt)
-    with torch.no_grad():
-        ref = pair.target.generate(torch.tensor([ids]), max_new_tokens=MAX_NEW, do_sample=False)[0, len(ids) :]
-    ref = ref.tolist()
-    for algorithm in ("none", "tli", "slem", "auto"):
-        events = list(stream(pair, ids, dids, algorithm=algorithm, k=4, max_new_tokens=MAX_NEW))
+    if prompt is LONG:
+        assert len(ids) > 1000
+    ref = plain_greedy(pair.target, ids)
+    for algorithm, k in ALGORITHMS + (MORE if PROMPTS.index(prompt) % 3 == 0 else []):
+        events = list(stream(pair, ids, dids, algorithm=algorithm, k=k, max_new_tokens=MAX_NEW))
         done = events[-1]
         assert isinstance(done, Finished) and all(isinstance(e, Round) for e in events[:-1])
-        out = list(done.target_ids)
-        if done.stats.stop_reason == "eos":
-            assert out == ref[: len(out)]
-        else:
-            assert done.stats.stop_reason == "max_tokens" and out == ref, f"{algorithm} differs on {prompt!r}"
+        check_same(done, ref, pair.eos_ids(), f"{algorithm} k={k} on {prompt[:30]!r}")
         # the rounds' emitted pieces are exactly the answer, in order
         emitted = [p.target_id for e in events[:-1] for p in e.emitted]
-        assert emitted == out
+        assert emitted == list(done.target_ids)
         shown = "".join(p.text for e in events[:-1] for p in e.emitted)
         # pieces hold back a multi-byte character split by max_new_tokens; the final text shows it as U+FFFD
         assert done.text == shown or (done.text.startswith(shown) and done.text[len(shown) :] == "\ufffd")
         rounds = events[:-1]
-        assert rounds[0].k == 0 and all(r.drafted <= r.k for r in rounds)
-        if algorithm != "none":
+        assert rounds[0].k == 0 and all(r.drafted <= max(r.k, 1) or r.algorithm == "slem" for r in rounds)
+        if algorithm in ("tli", "slem") and k == 4:
             assert done.stats.drafted > 0 and any(r.k == 4 for r in rounds)
             assert done.stats.c is not None and done.stats.v is not None
+            assert all(r.algorithm in ("none", algorithm) for r in rounds)
+
+
+def test_long_prompt_is_fast_to_speculate_on(pair):
+    """A regular pattern: the drafter guesses most of it, so rounds emit several tokens each."""
+    ids, dids = pair.target_tokenizer.encode(LONG), pair.drafter_tokenizer.encode(LONG)
+    *_, done = stream(pair, ids, dids, algorithm="slem", k=4, max_new_tokens=MAX_NEW)
+    assert done.stats.acceptance_rate > 0.5 and done.stats.tokens_per_round > 2
+
+
+@pytest.mark.parametrize("rendering", ["own", "stripped"])
+def test_chat_answers_equal_plain_greedy_with_either_drafter_rendering(pair, rendering):
+    messages = [{"role": "system", "content": "Answer briefly."},
+                {"role": "user", "content": "Write a Python function that reverses a string."}]  # fmt: skip
+    ref = api.generate(pair, messages=messages, algorithm="none", max_new_tokens=MAX_NEW)
+    done = api.generate(pair, messages=messages, algorithm="tli", max_new_tokens=MAX_NEW, drafter_rendering=rendering)
+    assert done.target_ids == ref.target_ids and done.stats.drafted > 0
+    plain = plain_greedy(pair.target, api.chat.render_ids(pair.target_tokenizer, messages))
+    check_same(ref, plain, pair.eos_ids(), "chat")
+
+
+@pytest.mark.parametrize("prompt", [PROMPTS[0], PROMPTS[2], PROMPTS[3], PROMPTS[6]], ids=range(4))
+def test_gemma_drafter_equals_plain_greedy(gemma_pair, prompt):
+    """A third family: SentencePiece with byte fallback drafting for a byte-level BPE target."""
+    ids = gemma_pair.target_tokenizer.encode(prompt)
+    dids = gemma_pair.drafter_tokenizer.encode(prompt)
+    ref = plain_greedy(gemma_pair.target, ids)
+    for algorithm in ("tli", "slem", "auto"):
+        *_, done = stream(gemma_pair, ids, dids, algorithm=algorithm, k=4, max_new_tokens=MAX_NEW)
+        check_same(done, ref, gemma_pair.eos_ids(), f"gemma {algorithm} on {prompt!r}")
+        if algorithm != "auto":
+            assert done.stats.drafted > 0
+
+
+@pytest.mark.parametrize("prompt", [PROMPTS[0], PROMPTS[1], PROMPTS[6]], ids=range(3))
+def test_equals_transformers_cross_tokenizer_generate(pair, prompt):
+    ids = pair.target_tokenizer.encode(prompt)
+    # transformers may rewire the drafter it is given, so it gets its own copy; ours must stay untouched
+    with torch.no_grad():
+        theirs = pair.target.generate(
+            torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long), do_sample=False,
+            max_new_tokens=MAX_NEW, assistant_model=copy.deepcopy(pair.drafter), tokenizer=pair.target_tokenizer,
+            assistant_tokenizer=pair.drafter_tokenizer,
+        )[0, len(ids) :].tolist()  # fmt: skip
+    for algorithm in ("tli", "slem"):
+        *_, done = stream(pair, ids, pair.drafter_tokenizer.encode(prompt), algorithm=algorithm, k=4,
+                          max_new_tokens=MAX_NEW)  # fmt: skip
+        check_same(done, theirs, pair.eos_ids(), f"{algorithm} vs transformers")
 
 
 def test_speculation_accepts_drafted_tokens_on_code(pair):

@@ -107,7 +107,7 @@ def test_exact_match_first_token_is_distributed_as_p(case):
     counts = torch.zeros(4)
     for _ in range(N):
         d = sample(q0, g)
-        accepted, token, _ = exact_match(torch.stack([p0, dist(1, 1, 1, 1)]), [d], g)
+        accepted, token, _ = exact_match(torch.stack([p0, dist(1, 1, 1, 1)]), [d], [g, g])
         counts[d if accepted else token] += 1
     assert_same_distribution(counts, p0)
 
@@ -117,7 +117,7 @@ def test_exact_match_with_a_fixed_wrong_candidate_still_gives_p():
     g = make_generator(5)
     counts = torch.zeros(3)
     for _ in range(N):
-        accepted, token, _ = exact_match(torch.stack([p0, dist(1, 1, 1)]), [2], g)
+        accepted, token, _ = exact_match(torch.stack([p0, dist(1, 1, 1)]), [2], [g, g])
         counts[2 if accepted else token] += 1
     assert_same_distribution(counts, p0)
 

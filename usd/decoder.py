@@ -16,7 +16,7 @@ import torch
 from .drafters import _utf8_complete, draft_strings, draft_tokens, sync_drafter
 from .events import Finished, Piece, Round, Stats
 from .pair import Context, Pair, bytes_of
-from .sampling import SamplingParams, make_generator, probabilities, sample
+from .sampling import SamplingParams, make_generator, position_generator, probabilities
 from .schedule import Schedule
 from .verify import exact_match, greedy_match, rejection_sampling
 
@@ -81,8 +81,11 @@ def stream(
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     stop_strings = tuple(s for s in stop_strings if s)
-    schedule = Schedule(pair, algo, k, probe_first)
-    g = make_generator(params.seed)
+    # With a seed, auto only uses modes whose answer the seed fixes (plain and slem, see position_generator), so
+    # "same seed, same text" holds for regenerate, for --samples, and between the compare view's two columns.
+    schedule = Schedule(pair, algo, k, probe_first, seeded_sampling=not params.greedy and params.seed is not None)
+    g = make_generator(params.seed)  # drafter samples and rejection-sampling uniforms
+    base_seed = params.seed if params.seed is not None else int(torch.randint(1 << 62, (), generator=g))
     t_start = time.perf_counter()
     target = Context(pair.target, prompt_ids)
     tb = pair.target_bytes
@@ -140,12 +143,11 @@ def stream(
             accepted, token, kind = greedy_match(logits.argmax(-1).tolist(), candidates)
         else:
             p = probabilities(logits, params)
-            if mode == "slem":
-                accepted, token, kind = exact_match(p, candidates, g)
-            elif candidates:
-                accepted, token, kind = rejection_sampling(p, torch.stack(q), candidates, g)
+            if mode == "slem" or not candidates:
+                gens = [position_generator(base_seed, len(generated) + i) for i in range(len(candidates) + 1)]
+                accepted, token, kind = exact_match(p, candidates, gens)
             else:
-                accepted, token, kind = 0, sample(p[0], g), "bonus"
+                accepted, token, kind = rejection_sampling(p, torch.stack(q), candidates, g)
         if not candidates:
             kind = "target"
         target.truncate(n_before + accepted)

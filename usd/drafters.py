@@ -37,7 +37,7 @@ def draft_tokens(pair: Pair, drafter: Context, k: int, params: SamplingParams, g
                  min_confidence: float = 0.0) -> Draft:  # fmt: skip
     """standard and tli: sample the drafter with its logits outside the shared vocabulary I masked, so q lives on I
     and each proposal is a target id; with identical tokenizers I is the whole vocabulary."""
-    d_ids, t_ids, vocab_t, _, _ = pair.intersection()
+    d_ids, t_ids, vocab_t = pair.intersection()
     out = Draft()
     for _ in range(k):
         # the drafter's logits on I only: index j stands for drafter id d_ids[j] and target id t_ids[j]
@@ -80,8 +80,9 @@ def draft_strings(pair: Pair, drafter: Context, k: int, eos: set[int], min_confi
         drafted.append(d)
     text = _utf8_complete(b"".join(bytes_of(db, d) for d in drafted)).decode("utf-8")
     candidates = pair.target_tokenizer.encode(text, add_special_tokens=False) if text else []
-    if ended:
-        candidates = candidates + sorted(eos)[:1]
+    if ended:  # the drafter ended its answer: propose the target's own end of turn
+        primary = pair.target_tokenizer.eos_token_id
+        candidates = candidates + [primary if primary in eos else min(eos)]
     elif len(candidates) > 1:
         candidates = candidates[:-1]  # the last token could still merge with text the drafter has not written
     out.candidates = candidates

@@ -57,7 +57,7 @@ class Pair:
     """A loaded (target, drafter) pair with what the algorithms need to know about their vocabularies.
 
     `memory` outlives single generations: what `auto` has measured about this pair on this machine (cost per token
-    of each algorithm, the draft length that paid, which drafter prompt rendering was accepted more).
+    of each algorithm, which drafter prompt rendering was accepted more).
     """
 
     target: object
@@ -104,12 +104,8 @@ class Pair:
                 d2t = align(self.target_tokenizer, self.drafter_tokenizer).drafter_to_target
                 pairs = sorted((d, t) for d, t in d2t.items() if d < vocab_d and t < vocab_t)
                 d_ids, t_ids = [d for d, _ in pairs], [t for _, t in pairs]
-            d_ids, t_ids = torch.tensor(d_ids, dtype=torch.long), torch.tensor(t_ids, dtype=torch.long)
-            allowed = torch.zeros(vocab_d, dtype=torch.bool)  # TODO(after helper): drop these two
-            allowed[d_ids] = True
-            to_target = torch.full((vocab_d,), -1, dtype=torch.long)
-            to_target[d_ids] = t_ids
-            self._cache["map"] = (d_ids, t_ids, vocab_t, allowed, to_target)
+            self._cache["map"] = (torch.tensor(d_ids, dtype=torch.long), torch.tensor(t_ids, dtype=torch.long),
+                                  vocab_t)  # fmt: skip
         return self._cache["map"]
 
     def eos_ids(self) -> set[int]:

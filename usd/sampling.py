@@ -57,6 +57,15 @@ def make_generator(seed: int | None) -> torch.Generator:
     return g
 
 
+def position_generator(seed: int, position: int) -> torch.Generator:
+    """The generator for the target's own draw at one answer position. Keying the target's draws by position (not
+    by how many draws came before) makes a seeded answer independent of how rounds were cut: plain decoding and
+    exact-match verification (slem) give the same text for a seed, whatever k or schedule ran; up to floating point:
+    a verify forward over k+1 tokens rounds differently from single steps, so a draw that lands within rounding of
+    a boundary between two tokens' cumulative probabilities can pick the neighbour (rare at usual top-k/top-p)."""
+    return make_generator((seed * 0x9E3779B97F4A7C15 + position) % (1 << 63))
+
+
 def sample(p: torch.Tensor, generator: torch.Generator) -> int:
     """One token id from a [V] distribution, by inverting its CDF at one uniform draw: a single pass over the
     vocabulary, several times cheaper than torch.multinomial on 150k-260k vocabularies."""

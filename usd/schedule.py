@@ -4,8 +4,11 @@ A fixed algorithm keeps its algorithm; with `draft_tokens="auto"` its k still ad
 guessing: every mode it may use (plain decoding, and standard, or tli and slem) keeps a running cost in seconds per
 emitted token, the cheapest mode wins, and the others are probed now and then so a change (a code block where the
 drafter shines, a paragraph where it does not) is noticed. Measured cost already holds alpha, c, v and the loop's
-own overhead, so auto falls back to plain decoding exactly when speculation loses on this machine. What was
-learned lives in `pair.memory` and carries over to the next generation of the pair.
+own overhead, so auto falls back to plain decoding exactly when speculation loses on this machine. The costs live
+in `pair.memory` and carry over to the next generation of the pair; the draft length adapts within a generation.
+Under sampling with a seed, auto picks between plain decoding and slem only: the seed fixes their answer whatever
+the schedule does (see `sampling.position_generator`), while tli's rejection sampling draws depend on where rounds
+were cut.
 
 Choosing a mode or a length from past rounds only (never from the token about to be verified) keeps the output
 lossless: every round emits tokens distributed as the target's, whatever it was told to do.
@@ -18,7 +21,9 @@ K_MAX = 8
 MIN_TRIES = 3
 """Rounds a mode gets before it can be judged."""
 PROBE_EVERY = 16
-"""A mode that is not the cheapest is still tried once every this many rounds."""
+"""A mode that is not the cheapest is still tried after this many rounds; each probe that finds it still losing
+doubles its wait (up to PROBE_MAX), so a pair where speculation never pays costs almost nothing to keep watching."""
+PROBE_MAX = 128
 DECAY = 0.85
 """Weight of the past in the running cost: about the last seven rounds count."""
 MIN_CONFIDENCE = 0.25
@@ -26,12 +31,14 @@ MIN_CONFIDENCE = 0.25
 
 
 class Schedule:
-    def __init__(self, pair, algorithm: str, k: int | str, probe_first: bool = True):
+    def __init__(self, pair, algorithm: str, k: int | str, probe_first: bool = True, seeded_sampling: bool = False):
         self.algorithm = algorithm
-        if algorithm == "auto":
-            self.modes = ["none", "standard"] if pair.same_tokenizer else ["none", "tli", "slem"]
-        else:
+        if algorithm != "auto":
             self.modes = [algorithm]
+        elif seeded_sampling:
+            self.modes = ["none", "slem"]  # the seed fixes their answer, however rounds are cut (see decoder)
+        else:
+            self.modes = ["none", "standard"] if pair.same_tokenizer else ["none", "tli", "slem"]
         self.adaptive_k = k == "auto"
         self.k_fixed = None if self.adaptive_k else int(k)
         self.min_confidence = MIN_CONFIDENCE if self.adaptive_k else 0.0
@@ -39,7 +46,9 @@ class Schedule:
         self.round = 0
         memory = pair.memory.setdefault("schedule", {})
         self.cost = memory.setdefault("cost", {})  # mode -> [decayed seconds, decayed tokens, rounds]
-        self.k = memory.setdefault("k", {})  # mode -> draft length that is paying off
+        # mode -> draft length that is paying off; per generation, so a seeded sample does not depend on the last one
+        self.k: dict[str, int] = {}
+        self.gap = memory.setdefault("gap", {})  # mode -> rounds to wait before probing it again
         self.since = {m: 0 for m in self.modes}  # rounds since the mode last ran
 
     def per_token(self, mode: str) -> float:
@@ -60,7 +69,7 @@ class Schedule:
         if untried:
             return min(untried, key=lambda m: self.cost.get(m, (0, 0, 0))[2])
         best = min(self.modes, key=self.per_token)
-        overdue = [m for m in self.modes if m != best and self.since[m] >= PROBE_EVERY]
+        overdue = [m for m in self.modes if m != best and self.since[m] >= self.gap.get(m, PROBE_EVERY)]
         return max(overdue, key=lambda m: self.since[m]) if overdue else best
 
     def observe(self, mode: str, k: int, drafted: int, accepted: int, emitted: int, seconds: float) -> None:
@@ -69,6 +78,9 @@ class Schedule:
             self.since[m] = 0 if m == mode else self.since[m] + 1
         s, t, n = self.cost.get(mode, (0.0, 0.0, 0))
         self.cost[mode] = [DECAY * s + seconds, DECAY * t + emitted, n + 1]
+        if len(self.modes) > 1 and n + 1 >= MIN_TRIES:
+            best = min(self.modes, key=self.per_token)
+            self.gap[mode] = PROBE_EVERY if mode == best else min(PROBE_MAX, 2 * self.gap.get(mode, PROBE_EVERY // 2))
         if self.adaptive_k and mode != "none" and k > 0:
             if drafted and accepted == drafted:
                 self.k[mode] = min(K_MAX, k + 1)

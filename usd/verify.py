@@ -37,15 +37,15 @@ def rejection_sampling(
     return k, sample(p[k], generator), "bonus"
 
 
-def exact_match(p: torch.Tensor, drafted: list[int], generator: torch.Generator) -> tuple[int, int, str]:
+def exact_match(p: torch.Tensor, drafted: list[int], generators: list[torch.Generator]) -> tuple[int, int, str]:
     """String-level exact match (SLEM), also under sampling: at each position the target draws its own token from
-    p_i; the candidate survives only if it is that very token. Every emitted token is a draw from p, so this is
-    lossless whatever produced the candidates (which need no q at all)."""
+    p_i (with generators[i], one per position); the candidate survives only if it is that very token. Every emitted
+    token is a draw from p, so this is lossless whatever produced the candidates (which need no q at all)."""
     for i, d in enumerate(drafted):
-        own = sample(p[i], generator)
+        own = sample(p[i], generators[i])
         if own != d:
             return i, own, "resampled"
-    return len(drafted), sample(p[len(drafted)], generator), "bonus"
+    return len(drafted), sample(p[len(drafted)], generators[len(drafted)]), "bonus"
 
 
 def greedy_match(target_argmax: list[int], drafted: list[int]) -> tuple[int, int, str]:
