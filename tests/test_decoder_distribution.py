@@ -15,6 +15,7 @@ import torch
 from scipy.stats import chisquare
 from tiny_pairs import tiny_pair
 
+import usd.decoder
 from usd.decoder import stream
 from usd.pair import Pair
 from usd.sampling import SamplingParams, probabilities
@@ -85,11 +86,16 @@ def pairs(real_tokenizers):
 
 
 @pytest.mark.parametrize(("key", "algorithm", "k"), [
-    ("qwen+smol", "tli", 3), ("qwen+smol", "slem", 3), ("qwen+smol", "auto", "auto"), ("qwen+qwen", "standard", 3),
+    ("qwen+smol", "tli", 3), ("qwen+smol", "slem", 3), ("qwen+smol", "auto", 3), ("qwen+qwen", "standard", 3),
     ("smol+gemma", "tli", 3), ("smol+gemma", "slem", 3),
 ])  # fmt: skip
-def test_first_two_tokens_distributed_as_plain_sampling(pairs, key, algorithm, k):
+def test_first_two_tokens_distributed_as_plain_sampling(pairs, key, algorithm, k, monkeypatch):
     pair, ids, dids = pairs[key]
+    if algorithm == "auto":
+        # Seeded, auto keeps to plain and slem (whose answer the seed fixes). Unseeded it also switches to tli, and
+        # that is the case to prove: seeds here only make the test repeatable.
+        real = usd.decoder.Schedule
+        monkeypatch.setattr(usd.decoder, "Schedule", lambda *a, **kw: real(*a, **{**kw, "seeded_sampling": False}))
     joint = exact_joint(pair.target, ids, SamplingParams(temperature=1.0, top_k=4))
     counts, alpha = run(pair, ids, dids, algorithm, k)
     assert 0.02 < alpha < 0.98, f"acceptance {alpha:.2f}: the test must exercise both accept and reject paths"
