@@ -23,7 +23,7 @@ MIN_TRIES = 3
 PROBE_EVERY = 16
 """A mode that is not the cheapest is still tried after this many rounds; each probe that finds it still losing
 doubles its wait (up to PROBE_MAX), so a pair where speculation never pays costs almost nothing to keep watching."""
-PROBE_MAX = 128
+PROBE_MAX = 256
 DECAY = 0.85
 """Weight of the past in the running cost: about the last seven rounds count."""
 MIN_CONFIDENCE = 0.25
@@ -49,7 +49,11 @@ class Schedule:
         # mode -> draft length that is paying off; per generation, so a seeded sample does not depend on the last one
         self.k: dict[str, int] = {}
         self.gap = memory.setdefault("gap", {})  # mode -> rounds to wait before probing it again
-        self.since = {m: 0 for m in self.modes}  # rounds since the mode last ran
+        # rounds since each mode last ran, counted across generations: a probe costs a drafter prefill and catch-up,
+        # so restarting the count per generation would probe in every answer
+        self.since = memory.setdefault("since", {})
+        for m in self.modes:
+            self.since.setdefault(m, 0)
 
     def per_token(self, mode: str) -> float:
         s, t, _ = self.cost.get(mode, (0.0, 0.0, 0))
@@ -74,7 +78,7 @@ class Schedule:
 
     def observe(self, mode: str, k: int, drafted: int, accepted: int, emitted: int, seconds: float) -> None:
         self.round += 1
-        for m in self.since:
+        for m in self.modes:
             self.since[m] = 0 if m == mode else self.since[m] + 1
         s, t, n = self.cost.get(mode, (0.0, 0.0, 0))
         self.cost[mode] = [DECAY * s + seconds, DECAY * t + emitted, n + 1]
