@@ -25,7 +25,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     # The chat UI is built on the engine's event stream (issues 3 and 4); until it lands, this entry point only
     # prepares the default pair so that the first launch of the UI starts at once.
-    print("The default pair is ready. The chat UI is not built yet: `usd models` and `usd overlap` work today.")
+    print("The default pair is ready. The chat UI is not built yet (issue 4); meanwhile try:\n"
+          "  usd generate --prompt 'def fibonacci(n):'")
     return 0
 
 
