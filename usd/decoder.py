@@ -13,9 +13,9 @@ from collections.abc import Iterator
 
 import torch
 
-from .drafters import _utf8_complete, draft_strings, draft_tokens, sync_drafter
+from .drafters import draft_strings, draft_tokens, sync_drafter
 from .events import Finished, Piece, Round, Stats
-from .pair import Context, Pair, bytes_of
+from .pair import Context, Pair, bytes_of, utf8_complete
 from .sampling import SamplingParams, make_generator, position_generator, probabilities
 from .schedule import Schedule
 from .verify import exact_match, greedy_match, rejection_sampling
@@ -169,7 +169,7 @@ def stream(
             t = emitted_ids[j]
             new_bytes += bytes_of(tb, t)
             # a piece shows the whole characters it completes; a split multi-byte character waits for its rest
-            whole = _utf8_complete(committed + new_bytes)
+            whole = utf8_complete(committed + new_bytes)
             text, emitted_text = whole[len(emitted_text) :].decode("utf-8"), whole
             kind_j = "accepted" if j < accepted else kind
             dids = drafter_ids[j] if j < accepted else ()

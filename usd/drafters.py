@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .pair import Context, Pair, bytes_of
+from .pair import Context, Pair, bytes_of, utf8_complete
 from .sampling import SamplingParams, probabilities, sample
 
 
@@ -78,7 +78,7 @@ def draft_strings(pair: Pair, drafter: Context, k: int, eos: set[int], min_confi
             ended = True
             break
         drafted.append(d)
-    text = _utf8_complete(b"".join(bytes_of(db, d) for d in drafted)).decode("utf-8")
+    text = utf8_complete(b"".join(bytes_of(db, d) for d in drafted)).decode("utf-8")
     candidates = pair.target_tokenizer.encode(text, add_special_tokens=False) if text else []
     if ended:  # the drafter ended its answer: propose the target's own end of turn
         primary = pair.target_tokenizer.eos_token_id
@@ -115,19 +115,9 @@ def sync_drafter(pair: Pair, drafter: Context, prompt_len: int, generated: list[
     if keep and pos < len(committed):
         keep -= 1
         pos -= len(bytes_of(db, gen[keep]))
-    tail = _utf8_complete(committed[pos:])
+    tail = utf8_complete(committed[pos:])
     drafter.truncate(prompt_len + keep)
     drafter.matched = (keep, pos)
     if tail:
         drafter.ids.extend(pair.drafter_tokenizer.encode(tail.decode("utf-8"), add_special_tokens=False))
 
-
-def _utf8_complete(b: bytes) -> bytes:
-    """The longest prefix of b that ends on a whole UTF-8 character (hold back a split multi-byte character)."""
-    for cut in range(len(b), max(-1, len(b) - 4), -1):
-        try:
-            b[:cut].decode("utf-8")
-            return b[:cut]
-        except UnicodeDecodeError:
-            continue
-    return b""

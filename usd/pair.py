@@ -52,6 +52,17 @@ def bytes_of(tb: TokenizerBytes, i: int) -> bytes:
     return b if b is not None else tb.specials.get(i, "").encode()
 
 
+def utf8_complete(b: bytes) -> bytes:
+    """The longest prefix of b that ends on a whole UTF-8 character (hold back a split multi-byte character)."""
+    for cut in range(len(b), max(-1, len(b) - 4), -1):
+        try:
+            b[:cut].decode("utf-8")
+            return b[:cut]
+        except UnicodeDecodeError:
+            continue
+    return b""
+
+
 @dataclass
 class Pair:
     """A loaded (target, drafter) pair with what the algorithms need to know about their vocabularies.
