@@ -73,9 +73,7 @@ def stream(
     is one user message; `messages` is a whole conversation ([{role, content}], the last one the user's).
     Bad input raises ValueError (PromptError for the prompt) before any model work, with what to change."""
     if messages is None and chat_mode:
-        if not isinstance(prompt, str) or not prompt.strip():
-            raise chat.PromptError("the prompt is empty; type a question or some text to continue")
-        messages = [{"role": "user", "content": prompt}]
+        messages = [{"role": "user", "content": chat.check_prompt(prompt)}]
     params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
     rendering = chat.choose_rendering(pair.memory, drafter_rendering)
     t_ids, d_ids = chat.prompt_ids(pair, prompt, messages, rendering)

@@ -18,6 +18,12 @@ class PromptError(ValueError):
     """The prompt or conversation cannot be used as given; the message says what to change."""
 
 
+def check_prompt(prompt) -> str:
+    if not isinstance(prompt, str) or not prompt.strip():
+        raise PromptError("the prompt is empty; type a question or some text to continue")
+    return prompt
+
+
 def check_messages(messages) -> list[dict]:
     if not isinstance(messages, list) or not messages:
         raise PromptError("messages must be a non-empty list of {role, content} objects")
@@ -82,8 +88,7 @@ def record_rendering(memory: dict, rendering: str, accepted: int, drafted: int) 
 def prompt_ids(pair, prompt: str | None = None, messages: list[dict] | None = None, rendering: str = "own"):
     """(target ids, drafter ids or None): a raw prompt is tokenized as is; a conversation goes through templates."""
     if messages is None:
-        if not isinstance(prompt, str) or not prompt.strip():
-            raise PromptError("the prompt is empty; type a question or some text to continue")
+        check_prompt(prompt)
         t_ids = pair.target_tokenizer.encode(prompt)
         d_ids = pair.drafter_tokenizer.encode(prompt) if pair.drafter_tokenizer is not None else None
         return t_ids, d_ids

@@ -124,13 +124,7 @@ def _generation_input(args) -> dict:
 
 
 def _result(done) -> dict:
-    s = done.stats
-    return {"text": done.text, "target_token_ids": list(done.target_ids), "stats": {
-        "algorithm": s.algorithm, "rounds": s.rounds, "drafted": s.drafted, "accepted": s.accepted,
-        "acceptance_rate": s.acceptance_rate, "tokens_per_round": s.tokens_per_round, "wall_s": s.wall_s,
-        "tokens_per_s": s.tokens_per_s, "stop_reason": s.stop_reason, "tokens": s.tokens, "c": s.c, "v": s.v,
-        "mean_k": s.mean_k, "theoretical_speedup": s.theoretical_speedup,
-        "rounds_by_algorithm": dict(s.rounds_by_algorithm)}}  # fmt: skip
+    return {"text": done.text, "target_token_ids": list(done.target_ids), "stats": done.stats.as_dict()}
 
 
 def cmd_generate(args) -> int:

@@ -21,7 +21,6 @@ from .schedule import Schedule
 from .verify import exact_match, greedy_match, rejection_sampling
 
 ALGORITHMS = ("auto", "standard", "tli", "slem", "none")
-STOP_REASONS = ("eos", "max_tokens", "stop_string", "cancelled")
 
 
 def resolve_algorithm(pair: Pair, algorithm: str) -> str:
