@@ -1,0 +1,160 @@
+"""The loaded pair behind the UI: what a pair would cost before loading it, loading and switching, and the plain
+decoding baselines measured on it. One pair serves every browser tab; loads are serialised."""
+
+from __future__ import annotations
+
+import gc
+import threading
+from dataclasses import dataclass
+
+from usd.catalog import Catalog, ModelEntry
+from usd.loading import GiB, LoadError, entry_for, load_tokenizer, plan_load
+from usd.store import local_path
+
+# Text the alpha ceiling is measured on: code and prose, what this app's users paste. TLI can only draft tokens of
+# the shared vocabulary, so where the target's own tokenization of typical text steps outside it, a draft must fail.
+CEILING_SAMPLE = '''def fibonacci(n: int) -> list[int]:
+    """Return the first n Fibonacci numbers."""
+    seq = [0, 1]
+    while len(seq) < n:
+        seq.append(seq[-1] + seq[-2])
+    return seq[:n]
+
+Speculative decoding lets a small model propose several tokens that the large model then checks in one pass.
+When the proposals are right, the answer arrives faster; when they are wrong, nothing is lost but a little time.
+{"name": "Ada", "languages": ["en", "fr"], "score": 0.97}
+'''
+
+
+class SpaceModeError(LoadError):
+    """Space mode allows catalog models only."""
+
+
+@dataclass(frozen=True)
+class Choice:
+    target: str
+    drafter: str
+
+
+class Pairs:
+    def __init__(self, catalog: Catalog, space_mode: bool = False, device: str | None = None,
+                 precision: str | None = None):  # fmt: skip
+        self.catalog = catalog
+        self.space_mode = space_mode
+        self.device = device
+        self.precision = precision
+        self.pair = None
+        self.loaded: Choice | None = None
+        self._load_lock = threading.Lock()
+        self._tokenizers: dict[str, object] = {}
+        self.baselines: dict[tuple, float] = {}
+        """(target, drafter) -> plain decoding tokens/s measured on the loaded pair (compare view, plain chat)."""
+
+    # --- choosing ----------------------------------------------------------------------------------------------
+
+    def entry(self, spec: str, role: str) -> ModelEntry:
+        spec = (spec or "").strip()
+        if not spec:
+            raise LoadError(f"no {role} chosen: pick one from the list")
+        try:
+            return entry_for(spec, self.catalog, allow_unlisted=not self.space_mode)
+        except LoadError as e:
+            if self.space_mode:
+                raise SpaceModeError(f"unknown {role} {spec!r}: this Space serves only its catalog models "
+                                     f"({', '.join(self.catalog.names())})") from None  # fmt: skip
+            raise LoadError(f"unknown {role}: {e}") from None
+
+    def preview(self, target: str, drafter: str) -> str:
+        """What loading this pair means, before loading it: precision on this device, memory, overlap, ceiling."""
+        try:
+            t, d = self.entry(target, "target"), self.entry(drafter, "drafter")
+        except LoadError as e:
+            return f"⚠ {e}"
+        lines = []
+        total = 0
+        for role, e in (("target", t), ("drafter", d)):
+            plan = plan_load(e, self.device, self.precision)
+            total += plan.estimate_bytes
+            ready = "ready" if local_path(e) is not None else "will be fetched on load"
+            lines.append(f"- **{role}** `{e.name}`: {plan.precision} on {plan.device}, about "
+                         f"{plan.estimate_bytes / GiB:.2f} GiB ({ready}). {plan.note}")  # fmt: skip
+        avail = plan.available_bytes
+        room = f" of {avail / GiB:.1f} GiB free" if avail is not None else ""
+        lines.append(f"- **memory**: about {total / GiB:.2f} GiB for both{room}.")
+        lines.append(self._overlap_line(t, d))
+        return "\n".join(lines)
+
+    def _tokenizer(self, entry: ModelEntry):
+        if entry.name not in self._tokenizers:
+            path = local_path(entry)
+            if path is None:
+                return None  # not fetched yet: no download just for a preview
+            self._tokenizers[entry.name] = load_tokenizer(entry, path)
+        return self._tokenizers[entry.name]
+
+    def _overlap_line(self, t: ModelEntry, d: ModelEntry) -> str:
+        try:
+            tt, dt = self._tokenizer(t), self._tokenizer(d)
+        except (OSError, ValueError) as e:
+            return f"- **vocabulary**: cannot read a tokenizer ({e})"
+        if tt is None or dt is None:
+            return "- **vocabulary**: overlap and alpha ceiling are shown once both models are fetched (load the pair)."
+        o = overlap_numbers(tt, dt)
+        if o["same_tokenizer"]:
+            return "- **vocabulary**: identical tokenizers, so `standard` speculative decoding applies (ceiling 100%)."
+        return (f"- **vocabulary**: {o['shared']:,} shared tokens ({o['shared_pct_target']:.1f}% of the target's "
+                f"{o['target_vocab']:,}, {o['shared_pct_drafter']:.1f}% of the drafter's {o['drafter_vocab']:,}). "
+                f"**Alpha ceiling for tli: {o['alpha_ceiling']:.0%}**: the share of the target's tokens, on sample "
+                f"code and prose, that the drafter can spell at all; `slem` drafts free text and is not bound by it.")
+
+    # --- loading -----------------------------------------------------------------------------------------------
+
+    def load(self, target: str, drafter: str, log=print):
+        """Load (fetching if needed) and switch to this pair. On failure the previous pair stays loaded and usable."""
+        from usd import api
+
+        t, d = self.entry(target, "target"), self.entry(drafter, "drafter")
+        with self._load_lock:
+            choice = Choice(t.name, d.name)
+            if self.pair is not None and self.loaded == choice:
+                return self.pair
+            new = api.load_pair(target.strip(), drafter.strip(), catalog=self.catalog, device=self.device,
+                                precision=self.precision, log=log)  # fmt: skip
+            # Dropping the last reference frees the old models; a generation still running on them keeps its own
+            # reference, finishes, and then lets go.
+            self.pair, self.loaded = new, choice
+            del new
+            _free_memory()
+            return self.pair
+
+    def current(self):
+        if self.pair is None:
+            raise LoadError("no pair is loaded: choose a target and a drafter in the Pair tab and press Load")
+        return self.pair
+
+    def describe(self) -> str:
+        if self.loaded is None:
+            return "No pair loaded."
+        return f"Loaded: target `{self.loaded.target}` · drafter `{self.loaded.drafter}`"
+
+    def key(self) -> tuple:
+        return (self.loaded.target, self.loaded.drafter) if self.loaded else ()
+
+
+def _free_memory() -> None:
+    gc.collect()
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def overlap_numbers(target_tokenizer, drafter_tokenizer) -> dict:
+    from usd.vocab import align, overlap_report
+
+    report = overlap_report(target_tokenizer, drafter_tokenizer)
+    shared_targets = set(align(target_tokenizer, drafter_tokenizer).drafter_to_target.values())
+    ids = target_tokenizer.encode(CEILING_SAMPLE, add_special_tokens=False)
+    report["alpha_ceiling"] = sum(i in shared_targets for i in ids) / len(ids)
+    report["same_tokenizer"] = target_tokenizer.get_vocab() == drafter_tokenizer.get_vocab()
+    return report

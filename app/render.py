@@ -1,0 +1,248 @@
+"""Events to what the UI shows: highlighted token spans, the stats panel, the chart rows. Pure functions, no Gradio.
+
+Everything here takes the engine's events (`usd.events`) or plain values, so it is unit-tested on hand-made events.
+"""
+
+from __future__ import annotations
+
+import html
+import time
+from dataclasses import dataclass, field
+
+from usd.events import KINDS, Finished, Piece, Round
+from usd.theory import expected_speedup
+
+KIND_LABELS = {
+    "accepted": "accepted: drafted and kept",
+    "rejected": "rejected: drafted, thrown away",
+    "resampled": "resampled: the target's correction",
+    "bonus": "bonus: the target's extra token",
+    "target": "target: plain decoding",
+}
+SLOWER = 0.95
+"""Below this measured (or estimated) speedup, the panel says in words that speculation is costing time."""
+
+
+def _visible(text: str) -> str:
+    # The token view keeps white space (CSS pre-wrap); a token that is only spaces gets a class that shades it, so
+    # it can still be seen and hovered.
+    return html.escape(text)
+
+
+def piece_title(piece: Piece) -> str:
+    ids = f"target id {piece.target_id}" if piece.target_id is not None else "no target id"
+    if piece.drafter_ids:
+        ids += f", drafter ids {', '.join(map(str, piece.drafter_ids))}"
+    return f"round {piece.round} · {piece.kind} · {ids}"
+
+
+def piece_span(piece: Piece) -> str:
+    if piece.kind not in KINDS:
+        raise ValueError(f"unknown piece kind {piece.kind!r}")
+    tag = "s" if piece.kind == "rejected" else "span"
+    blank = " tok-blank" if piece.text and not piece.text.strip() else ""
+    return (f'<{tag} class="tok tok-{piece.kind}{blank}" data-kind="{piece.kind}" data-round="{piece.round}" '
+            f'title="{html.escape(piece_title(piece), quote=True)}">{_visible(piece.text)}</{tag}>')  # fmt: skip
+
+
+def pieces_html(pieces: list[Piece] | tuple[Piece, ...]) -> str:
+    """Every piece, rejected ones included (struck through), in the order the rounds produced them."""
+    spans = "".join(piece_span(p) for p in pieces if p.text or p.kind == "rejected")
+    return f'<div class="tokens">{spans}</div>'
+
+
+def legend_html() -> str:
+    items = "".join(
+        f'<span class="tok tok-{k}" title="{KIND_LABELS[k]}">{k}</span>' for k in KINDS
+    )
+    return f'<div class="legend">{items}<span class="legend-hint">hover a token for its round and ids</span></div>'
+
+
+def piece_dicts(pieces) -> list[dict]:
+    """The API's form of the pieces: {text, kind, round} (plus the ids, for whoever wants them)."""
+    return [{"text": p.text, "kind": p.kind, "round": p.round, "target_id": p.target_id,
+             "drafter_ids": list(p.drafter_ids)} for p in pieces]  # fmt: skip
+
+
+@dataclass
+class Live:
+    """Running numbers for one generation, updated per round: what the stats panel and the chart show.
+
+    c and v need the target's single-step time, which the engine measures with a plain step (the first round of a
+    speculative generation, and every round of plain decoding); until one has run they stay unknown.
+    """
+
+    algorithm: str
+    baseline_tokens_per_s: float | None = None
+    """Plain decoding's tokens/s for this pair, measured earlier (the compare view, or a plain chat answer)."""
+    started: float = field(default_factory=time.perf_counter)
+    pieces: list[Piece] = field(default_factory=list)
+    rounds: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    tokens: int = 0
+    k: int = 0
+    plain_s: list[float] = field(default_factory=list)
+    draft_step_s: list[float] = field(default_factory=list)
+    verify_s: list[float] = field(default_factory=list)
+    chart: list[dict] = field(default_factory=list)
+    finished: Finished | None = None
+
+    def add(self, event: Round | Finished) -> None:
+        if isinstance(event, Finished):
+            self.finished = event
+            return
+        self.rounds += 1
+        self.pieces.extend(event.pieces)
+        self.drafted += event.drafted
+        self.accepted += event.accepted
+        emitted = len([p for p in event.emitted if p.target_id is not None])
+        self.tokens += emitted
+        self.k = event.k
+        if event.algorithm == "none" or event.k == 0:
+            self.plain_s.append(event.verify_s)
+        else:
+            self.verify_s.append(event.verify_s)
+            if event.drafted:
+                self.draft_step_s.append(event.draft_s / event.drafted)
+        self.chart.append({"round": event.index, "series": "accepted", "tokens": event.accepted})
+        self.chart.append({"round": event.index, "series": "emitted", "tokens": emitted})
+
+    @property
+    def elapsed(self) -> float:
+        if self.finished is not None:
+            return self.finished.stats.wall_s
+        return time.perf_counter() - self.started
+
+    def numbers(self) -> dict:
+        """tokens/s, alpha, tau, k, c, v, theoretical speedup and (when a baseline is known) measured speedup."""
+        if self.finished is not None:
+            s = self.finished.stats
+            out = {"tokens_per_s": s.tokens_per_s, "acceptance_rate": s.acceptance_rate if s.drafted else None,
+                   "tokens_per_round": s.tokens_per_round, "k": self.k, "mean_k": s.mean_k, "c": s.c, "v": s.v,
+                   "theoretical_speedup": s.theoretical_speedup, "tokens": s.tokens, "rounds": s.rounds,
+                   "wall_s": s.wall_s, "stop_reason": s.stop_reason}  # fmt: skip
+        else:
+            t_step = _median(self.plain_s)
+            c = _median(self.draft_step_s) / t_step if t_step and self.draft_step_s else None
+            v = _median(self.verify_s) / t_step if t_step and self.verify_s else None
+            alpha = self.accepted / self.drafted if self.drafted else None
+            theory = expected_speedup(alpha, self.k, c, v) if None not in (alpha, c, v) and self.k else None
+            out = {"tokens_per_s": self.tokens / self.elapsed if self.elapsed > 0 else 0.0, "acceptance_rate": alpha,
+                   "tokens_per_round": self.tokens / self.rounds if self.rounds else 0.0, "k": self.k,
+                   "mean_k": None, "c": c, "v": v, "theoretical_speedup": theory, "tokens": self.tokens,
+                   "rounds": self.rounds, "wall_s": self.elapsed, "stop_reason": None}  # fmt: skip
+        out["measured_speedup"] = None
+        out["speedup_basis"] = None
+        if self.baseline_tokens_per_s and out["tokens_per_s"]:
+            out["measured_speedup"] = out["tokens_per_s"] / self.baseline_tokens_per_s
+            out["speedup_basis"] = "measured"
+        elif self.plain_s and self.rounds > len(self.plain_s) and out["tokens_per_s"]:
+            # No plain run to compare with yet: the plain steps inside this answer give plain decoding's rate.
+            out["measured_speedup"] = out["tokens_per_s"] * _median(self.plain_s)
+            out["speedup_basis"] = "estimated from this answer's plain steps"
+        return out
+
+
+def _median(xs: list[float]) -> float | None:
+    if not xs:
+        return None
+    s = sorted(xs)
+    return s[len(s) // 2]
+
+
+def _fmt(x, spec: str = ".2f", unit: str = "") -> str:
+    return "–" if x is None else f"{x:{spec}}{unit}"
+
+
+def warning_text(n: dict, algorithm: str) -> str | None:
+    """A plain-words warning when speculation is costing time on this pair and this hardware."""
+    speedup = n.get("measured_speedup")
+    if algorithm == "none" or speedup is None or speedup >= SLOWER:
+        return None
+    why = ""
+    if n.get("c") is not None:
+        why = (f" Each drafted token costs {n['c']:.2f} of a target step and only "
+               f"{_fmt(n.get('acceptance_rate'), '.0%')} of drafts are kept.")  # fmt: skip
+    advice = ("auto falls back to plain decoding when it measures this; "
+              if algorithm != "auto" else "auto is still measuring and will fall back to plain decoding; ")
+    return (f"Speculation is slowing this pair down on this hardware: {speedup:.2f}x the speed of the target alone."
+            f"{why} The drafter is too slow relative to the target here (typical on a CPU, or with a small target): "
+            f"{advice}a GPU, a bigger target or a smaller drafter changes the balance.")  # fmt: skip
+
+
+def stats_html(n: dict, algorithm: str) -> str:
+    rows = [
+        ("tokens/s", _fmt(n.get("tokens_per_s"), ".1f")),
+        ("acceptance α", _fmt(n.get("acceptance_rate"), ".0%")),
+        ("tokens per target forward τ", _fmt(n.get("tokens_per_round"), ".2f")),
+        ("draft length k", str(n.get("k") if n.get("k") is not None else "–")),
+        ("drafter cost c", _fmt(n.get("c"), ".2f")),
+        ("verify cost v", _fmt(n.get("v"), ".2f")),
+        ("theoretical speedup", _fmt(n.get("theoretical_speedup"), ".2f", "x")),
+        ("measured speedup", _fmt(n.get("measured_speedup"), ".2f", "x")
+         + (f" <small>({n['speedup_basis']})</small>" if n.get("speedup_basis") else "")),
+        ("tokens · rounds · seconds", f"{n.get('tokens', 0)} · {n.get('rounds', 0)} · {_fmt(n.get('wall_s'), '.1f')}"),
+    ]  # fmt: skip
+    body = "".join(f'<tr><th>{k}</th><td data-stat="{k}">{v}</td></tr>' for k, v in rows)
+    warn = warning_text(n, algorithm)
+    warn_html = f'<div class="slow-warning">⚠ {html.escape(warn)}</div>' if warn else ""
+    stop = n.get("stop_reason")
+    end = f'<div class="stop-reason">stopped: {html.escape(stop)}</div>' if stop else ""
+    return f'<div class="stats"><table>{body}</table>{warn_html}{end}</div>'
+
+
+def answer_text(live: Live) -> str:
+    """The answer so far: the emitted pieces' text, or the engine's final text once it is done."""
+    if live.finished is not None:
+        return live.finished.text
+    return "".join(p.text for p in live.pieces if p.kind != "rejected")
+
+
+def chart_rows(live: Live) -> list[dict]:
+    return list(live.chart)
+
+
+COMPARE_ORDER = "one after the other: plain decoding first, then speculative, so neither slows the other"
+
+
+def compare_summary(plain: Finished, speculative: Finished, greedy: bool) -> dict:
+    """Both times, the speedup, tokens/s, and whether the answers are token-identical (a must when greedy)."""
+    a, b = plain.target_ids, speculative.target_ids
+    first = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), None)
+    if first is None and len(a) != len(b):
+        first = min(len(a), len(b))
+    ps, ss = plain.stats.wall_s, speculative.stats.wall_s
+    return {
+        "identical": first is None,
+        "greedy": greedy,
+        "first_difference": first,
+        "plain_s": ps,
+        "speculative_s": ss,
+        "speedup": ps / ss if ss > 0 else None,
+        "plain_tokens_per_s": plain.stats.tokens_per_s,
+        "speculative_tokens_per_s": speculative.stats.tokens_per_s,
+        "acceptance_rate": speculative.stats.acceptance_rate,
+        "tokens_per_round": speculative.stats.tokens_per_round,
+        "algorithm": speculative.stats.algorithm,
+        "order": COMPARE_ORDER,
+    }
+
+
+def summary_html(s: dict) -> str:
+    speed = s["speedup"]
+    verdict = "faster" if speed and speed >= 1 else "slower"
+    if s["identical"]:
+        same = "✔ token-identical outputs" + (" (greedy: they must be)" if s["greedy"] else "")
+        cls = "same"
+    elif s["greedy"]:
+        same = f"✘ outputs differ from token {s['first_difference']}: greedy outputs must be identical"
+        cls = "differ"
+    else:
+        same = (f"outputs differ from token {s['first_difference']}: expected when sampling with an algorithm whose "
+                "draws depend on where rounds are cut (tli, standard); both follow the target's distribution")
+        cls = "differ-ok"
+    return (f'<div class="compare-summary"><b>plain {s["plain_s"]:.2f} s</b> ({s["plain_tokens_per_s"]:.1f} tok/s) · '
+            f'<b>speculative {s["speculative_s"]:.2f} s</b> ({s["speculative_tokens_per_s"]:.1f} tok/s, '
+            f'{s["algorithm"]}, α {s["acceptance_rate"]:.0%}) · <b>speedup {speed or 0:.2f}x</b> ({verdict})'
+            f'<div class="compare-{cls}">{same}</div><small>Run {s["order"]}.</small></div>')  # fmt: skip

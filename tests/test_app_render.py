@@ -1,0 +1,267 @@
+"""The app's pure parts on hand-made events: spans, stats, warning, compare summary, settings, sessions, Space mode."""
+
+from __future__ import annotations
+
+import re
+import time
+from pathlib import Path
+
+import pytest
+
+from app import render
+from app.pairs import Pairs, SpaceModeError
+from app.space import space_mode
+from app.ui import Cancels, InputError, _text, settings
+from usd.events import Finished, Piece, Round, Stats
+from usd.loading import LoadError
+from usd.theory import expected_speedup
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def piece(text, kind, rnd, tid=1, dids=()):
+    return Piece(text, kind, tid, rnd, tuple(dids))
+
+
+def plain_round(i, text="a", verify_s=0.1):
+    return Round(i, 0, (piece(text, "target", i),), 0, 0, 0.0, verify_s, 0.0, "none")
+
+
+def spec_round(i, accepted_texts, rejected_texts, last, last_kind, draft_s=0.2, verify_s=0.15, k=4):
+    pieces = [piece(t, "accepted", i, 10 + j, (20 + j,)) for j, t in enumerate(accepted_texts)]
+    pieces += [piece(t, "rejected", i, 30 + j, (40 + j,)) for j, t in enumerate(rejected_texts)]
+    pieces.append(piece(last, last_kind, i, 50))
+    drafted = len(accepted_texts) + len(rejected_texts)
+    return Round(i, k, tuple(pieces), drafted, len(accepted_texts), draft_s, verify_s, 0.0, "tli")
+
+
+def test_every_kind_gets_its_class_rejected_is_struck_and_hover_gives_round_and_ids():
+    pieces = [piece("Hi", "target", 0, 7), piece(" there", "accepted", 1, 8, (3, 4)),
+              piece("!", "rejected", 1, 9, (5,)), piece(".", "resampled", 1, 11), piece(" ok", "bonus", 2, 12)]
+    out = render.pieces_html(pieces)
+    for kind in ("target", "accepted", "rejected", "resampled", "bonus"):
+        assert f"tok-{kind}" in out
+    assert re.search(r'<s class="tok tok-rejected"[^>]*>!</s>', out)
+    assert 'title="round 1 · accepted · target id 8, drafter ids 3, 4"' in out
+    assert 'title="round 0 · target · target id 7"' in out
+    # document order is generation order
+    kinds = re.findall(r'data-kind="(\w+)"', out)
+    assert kinds == ["target", "accepted", "rejected", "resampled", "bonus"]
+
+
+def test_text_is_escaped_blank_tokens_marked_and_empty_pieces_skipped():
+    out = render.pieces_html([piece("<script>alert(1)</script>", "target", 0), piece("  ", "target", 1),
+                              piece("", "target", 2)])  # fmt: skip
+    assert "<script>" not in out and "&lt;script&gt;" in out
+    assert "tok-blank" in out
+    assert out.count('class="tok tok-') == 2
+    with pytest.raises(ValueError, match="unknown piece kind"):
+        render.piece_span(piece("x", "weird", 0))
+
+
+def test_legend_names_every_kind():
+    out = render.legend_html()
+    for kind in ("accepted", "rejected", "resampled", "bonus", "target"):
+        assert f'class="tok tok-{kind}"' in out
+
+
+def test_live_numbers_follow_the_rounds():
+    live = render.Live("tli")
+    live.add(plain_round(0, verify_s=0.1))
+    live.add(spec_round(1, ["a", "b"], ["c", "d"], "e", "resampled", draft_s=0.2, verify_s=0.15))
+    live.add(spec_round(2, ["f", "g", "h", "i"], [], "j", "bonus", draft_s=0.2, verify_s=0.15))
+    n = live.numbers()
+    assert n["acceptance_rate"] == pytest.approx(6 / 8)
+    assert n["tokens"] == 1 + 3 + 5 and n["rounds"] == 3
+    assert n["tokens_per_round"] == pytest.approx(9 / 3)
+    assert n["k"] == 4
+    assert n["c"] == pytest.approx(0.05 / 0.1)
+    assert n["v"] == pytest.approx(1.5)
+    assert n["theoretical_speedup"] == pytest.approx(expected_speedup(0.75, 4, 0.5, 1.5))
+    assert n["speedup_basis"].startswith("estimated")
+    assert render.answer_text(live) == "aabefghij"
+    assert [r["tokens"] for r in live.chart if r["series"] == "accepted"] == [0, 2, 4]
+
+
+def test_finished_stats_replace_the_running_estimate_and_a_baseline_gives_measured_speedup():
+    live = render.Live("tli", baseline_tokens_per_s=10.0)
+    live.add(spec_round(0, ["a"], ["b"], "c", "resampled"))
+    stats = Stats("tli", rounds=4, drafted=10, accepted=5, tokens=12, wall_s=2.0, stop_reason="eos", c=0.3, v=1.2,
+                  mean_k=2.5)  # fmt: skip
+    live.add(Finished("final text", (1, 2), stats))
+    n = live.numbers()
+    assert n["tokens_per_s"] == 6.0 and n["acceptance_rate"] == 0.5 and n["stop_reason"] == "eos"
+    assert n["measured_speedup"] == pytest.approx(0.6) and n["speedup_basis"] == "measured"
+    assert render.answer_text(live) == "final text"
+
+
+def test_warning_only_when_speculation_is_slower():
+    slow = {"measured_speedup": 0.7, "c": 0.45, "acceptance_rate": 0.4}
+    text = render.warning_text(slow, "tli")
+    assert "slowing this pair down" in text and "0.70x" in text and "0.45" in text
+    assert render.warning_text(slow, "none") is None
+    assert render.warning_text({"measured_speedup": 1.3}, "tli") is None
+    assert render.warning_text({"measured_speedup": None}, "tli") is None
+    assert "slow-warning" in render.stats_html(slow, "tli")
+    assert "slow-warning" not in render.stats_html({"measured_speedup": 1.2}, "tli")
+    assert render.stats_html({}, "auto").count("–") >= 6  # unknowns are shown as such, not as zeros
+
+
+def _finished(ids, wall_s, algorithm="tli"):
+    return Finished("t", tuple(ids), Stats(algorithm, 3, 4, 2, len(ids), wall_s, "eos", 0.3, 1.2, 2.0))
+
+
+def test_compare_summary():
+    s = render.compare_summary(_finished([1, 2, 3], 2.0, "none"), _finished([1, 2, 3], 1.0), greedy=True)
+    assert s["identical"] and s["speedup"] == 2.0 and s["plain_s"] == 2.0 and s["speculative_s"] == 1.0
+    assert "token-identical" in render.summary_html(s)
+    s = render.compare_summary(_finished([1, 2, 3], 1.0, "none"), _finished([1, 5, 3], 2.0), greedy=True)
+    assert not s["identical"] and s["first_difference"] == 1 and s["speedup"] == 0.5
+    assert "must be identical" in render.summary_html(s)
+    s = render.compare_summary(_finished([1, 2], 1.0, "none"), _finished([1, 2, 3], 1.0), greedy=False)
+    assert s["first_difference"] == 2 and "distribution" in render.summary_html(s)
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (("fast", "auto", 0, 1, 0, None, 10), "unknown algorithm"),
+        (("auto", "17", 0, 1, 0, None, 10), "draft tokens must be auto or a whole number from 1 to 16"),
+        (("auto", "0", 0, 1, 0, None, 10), "from 1 to 16"),
+        (("auto", "auto", -1, 1, 0, None, 10), "temperature must be between"),
+        (("auto", "auto", 0, 0, 0, None, 10), "top-p must be above 0"),
+        (("auto", "auto", 0, 1, -3, None, 10), "top-k must be a whole number"),
+        (("auto", "auto", 0, 1, 0, -1, 10), "seed must be a whole number"),
+        (("auto", "auto", 0, 1, 0, None, 0), "max new tokens must be a whole number from 1 to 4,096"),
+        (("auto", "auto", 0, 1, 0, None, 5000), "max new tokens must be a whole number from 1 to 4,096"),
+        (("auto", "auto", 0, 1, 0, None, 2.5), "max new tokens must be a whole number"),
+        (("auto", "auto", 0, 1, 0, None, "many"), "max new tokens must be a whole number, got 'many'"),
+    ],
+)
+def test_settings_errors_say_what_to_change(args, message):
+    with pytest.raises(InputError, match=re.escape(message)):
+        settings(*args)
+
+
+def test_settings_accept_what_the_widgets_send():
+    s = settings("slem", "4", 0.7, 0.9, 20.0, 3.0, 64.0)
+    assert s == {"algorithm": "slem", "draft_tokens": 4, "temperature": 0.7, "top_p": 0.9, "top_k": 20, "seed": 3,
+                 "max_new_tokens": 64}  # fmt: skip
+    assert settings(None, None, None, None, None, "", None)["max_new_tokens"] == 256
+
+
+def test_message_text_from_either_content_form():
+    assert _text("hi") == "hi"
+    assert _text([{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]) == "ab"
+    assert _text({"type": "text", "text": "c"}) == "c"
+
+
+def test_stop_cancels_only_its_own_session():
+    c = Cancels()
+    a, b = c.start("a"), c.start("b")
+    assert c.stop("a") and a.is_set() and not b.is_set()
+    c.end("a", a)
+    assert not c.stop("a")
+
+
+def test_space_mode_from_environment(monkeypatch):
+    monkeypatch.delenv("USD_CHAT_SPACE", raising=False)
+    monkeypatch.delenv("SPACE_ID", raising=False)
+    assert not space_mode()
+    monkeypatch.setenv("SPACE_ID", "someone/usd-chat")
+    assert space_mode()
+    monkeypatch.setenv("USD_CHAT_SPACE", "0")
+    assert not space_mode()
+    monkeypatch.setenv("USD_CHAT_SPACE", "1")
+    monkeypatch.delenv("SPACE_ID")
+    assert space_mode()
+
+
+def test_space_mode_allows_catalog_models_only(catalog, tmp_path):
+    pairs = Pairs(catalog, space_mode=True)
+    assert pairs.entry("smollm2-135m-instruct", "drafter").name == "smollm2-135m-instruct"
+    for spec in (str(tmp_path), "someone/some-model", "nope"):
+        with pytest.raises(SpaceModeError, match="this Space serves only its catalog models"):
+            pairs.entry(spec, "target")
+    assert "only its catalog models" in pairs.preview(str(tmp_path), "smollm2-135m-instruct")
+    local = Pairs(catalog, space_mode=False)
+    assert local.entry(str(tmp_path), "target").source.kind == "path"
+    with pytest.raises(LoadError, match="unknown target"):
+        local.entry("no such model", "target")
+    with pytest.raises(LoadError, match="no drafter chosen"):
+        local.entry(" ", "drafter")
+    with pytest.raises(LoadError, match="no pair is loaded"):
+        local.current()
+
+
+def test_launch_defaults_to_localhost_without_share(monkeypatch):
+    import app.__main__ as main_mod
+
+    seen = {}
+    monkeypatch.delenv("GRADIO_SERVER_NAME", raising=False)
+    monkeypatch.setattr(main_mod, "create", lambda *a, **k: ("demo", None))
+    monkeypatch.setattr(main_mod, "launch", lambda demo, host, port, share, *rest: seen.update(host=host, share=share,
+                                                                                              port=port))  # fmt: skip
+    assert main_mod.main([]) == 0
+    assert seen == {"host": "127.0.0.1", "share": False, "port": 7860}
+    main_mod.main(["--host", "0.0.0.0", "--port", "9000", "--share"])
+    assert seen == {"host": "0.0.0.0", "share": True, "port": 9000}
+
+
+def _front_matter() -> dict:
+    import yaml
+
+    text = (ROOT / "README.md").read_text()
+    assert text.startswith("---\n"), "README.md must open with the Space's front matter"
+    return yaml.safe_load(text.split("---\n")[1])
+
+
+def test_space_front_matter_names_an_app_file_that_exists_and_this_gradio():
+    import gradio
+
+    fm = _front_matter()
+    assert fm["sdk"] == "gradio" and str(fm["python_version"]) == "3.11"
+    assert (ROOT / fm["app_file"]).is_file()
+    assert fm["sdk_version"].split(".")[0] == gradio.__version__.split(".")[0]
+    assert {"Qwen/Qwen2.5-Coder-0.5B-Instruct", "HuggingFaceTB/SmolLM2-135M-Instruct"} <= set(fm["models"])
+
+
+def test_space_requirements_match_the_package_dependencies():
+    import tomllib
+
+    deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    wanted = {d.split("#")[0].strip() for d in deps if not d.startswith("gradio")}
+    lines = (ROOT / "requirements.txt").read_text().splitlines()
+    have = {ln.strip() for ln in lines if ln.strip() and not ln.startswith("#")}
+    assert have == wanted
+
+
+def test_background_stream_keeps_order_raises_errors_and_cancels_when_abandoned():
+    import threading
+
+    from app.ui import in_background
+
+    cancel = threading.Event()
+    batches = list(in_background(lambda: iter(range(50)), cancel))
+    assert [x for b in batches for x in b] == list(range(50))
+
+    def failing():
+        yield 1
+        raise ValueError("the prompt is empty")
+
+    with pytest.raises(ValueError, match="the prompt is empty"):
+        list(in_background(failing, threading.Event()))
+
+    cancel = threading.Event()
+    started = threading.Event()
+
+    def endless():
+        while not cancel.is_set():  # like the decode loop, which checks its cancel flag every round
+            started.set()
+            time.sleep(0.001)
+            yield 0
+
+    stream = in_background(endless, cancel)
+    next(stream)
+    stream.close()  # the browser went away: the loop must end, not run on
+    assert started.is_set() and cancel.is_set()
