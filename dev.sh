@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One entry point for a fresh machine: creates .venv, installs usd-chat and what it needs, then runs a task.
-#   ./dev.sh test      lint (ruff) and the test suite (pulls the three registry-shipped models on first run)
+#   ./dev.sh test      lint (ruff) and the test suite (pulls the three registry-shipped models on first run; installs
+#                      Debian's chromium for the browser test when it is missing and apt-get can run)
 #   ./dev.sh app       pull the default pair and launch the chat UI
 #   ./dev.sh setup     only the install
 # TORCH_SPEC overrides the torch requirement (default: the CPU build torch==2.13.0 when no NVIDIA GPU is visible).
@@ -30,6 +31,11 @@ fi
 case "$task" in
     setup) echo "installed into .venv" ;;
     test)
+        if ! command -v chromium >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1; then
+            sudo=""; [ "$(id -u)" = 0 ] || sudo="sudo -n"
+            { $sudo apt-get update -qq && $sudo apt-get install -y -qq chromium; } >/dev/null 2>&1 \
+                || echo "note: could not install chromium; the browser test will be skipped" >&2
+        fi
         .venv/bin/ruff check .
         exec .venv/bin/python -m pytest "$@"
         ;;

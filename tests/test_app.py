@@ -1,0 +1,250 @@
+"""The app launched for real on 127.0.0.1 with the default pair, driven by gradio_client and by a headless browser."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+import usd
+
+pytestmark = pytest.mark.real_models
+ROOT = Path(__file__).resolve().parent.parent
+PROMPT = "Write a Python function that returns the square of a number."
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def app(real_paths):
+    os.environ["GRADIO_ANALYTICS_ENABLED"] = "False"
+    from app.__main__ import create, launch
+
+    demo, pairs = create(log=lambda *_: None)
+    assert pairs.loaded is not None, "the default pair must load"
+    port = free_port()
+    launch(demo, "127.0.0.1", port, concurrency=1, max_queue=16, prevent_thread_lock=True, quiet=True)
+    yield demo, pairs, f"http://127.0.0.1:{port}/"
+    demo.close()
+
+
+@pytest.fixture(scope="module")
+def client(app):
+    from gradio_client import Client
+
+    return Client(app[2], verbose=False)
+
+
+def plain_greedy(pairs, prompt: str, n: int) -> str:
+    return usd.generate(pairs.current(), prompt, chat_mode=True, algorithm="none", max_new_tokens=n).text
+
+
+def test_generate_streams_and_ends_with_the_targets_own_greedy_answer(app, client):
+    _, pairs, _ = app
+    # tli, not auto: auto remembers across answers that speculation does not pay on a CPU and may then not draft
+    job = client.submit(prompt=PROMPT, algorithm="tli", max_new_tokens=32, api_name="/generate")
+    updates = list(job)
+    text, pieces, stats = job.result()
+    assert len(updates) >= 3, "the answer must stream, round by round"
+    assert text == plain_greedy(pairs, PROMPT, 32)
+    assert all(u[0] == text[: len(u[0])] for u in updates), "every update is a prefix of the answer"
+    assert {p["kind"] for p in pieces} <= {"accepted", "rejected", "resampled", "bonus", "target"}
+    assert any(p["kind"] == "accepted" for p in pieces)
+    assert all(isinstance(p["round"], int) and isinstance(p["text"], str) for p in pieces)
+    assert "".join(p["text"] for p in pieces if p["kind"] != "rejected") == text
+    for key in ("acceptance_rate", "tokens_per_round", "tokens_per_s", "wall_s"):
+        assert isinstance(stats[key], float) and stats[key] > 0, key
+    assert stats["tokens"] == 32 and stats["stop_reason"] == "max_tokens"
+
+
+def test_compare_reports_identical_greedy_outputs(client):
+    plain, speculative, summary = client.predict(prompt=PROMPT, algorithm="slem", draft_tokens="4", temperature=0,
+                                                 max_new_tokens=24, api_name="/compare")  # fmt: skip
+    assert summary["identical"] is True and plain == speculative and plain
+    assert summary["plain_s"] > 0 and summary["speculative_s"] > 0
+    assert summary["speedup"] == pytest.approx(summary["plain_s"] / summary["speculative_s"])
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"prompt": "   "}, "the prompt is empty"),
+        ({"prompt": "word " * 40_000}, "context of 32,768 tokens"),
+        ({"prompt": "hi", "max_new_tokens": 0}, "max new tokens must be a whole number from 1 to 4,096"),
+        ({"prompt": "hi", "max_new_tokens": 100_000}, "max new tokens must be a whole number from 1 to 4,096"),
+        ({"prompt": "hi", "target": "no-such-model"}, "unknown target"),
+        ({"prompt": "hi", "drafter": "/no/such/dir"}, "unknown drafter"),
+        ({"prompt": "hi", "algorithm": "fastest"}, "unknown algorithm"),
+        ({"prompt": "hi", "algorithm": "standard"}, "standard"),
+        ({"prompt": "hi", "draft_tokens": "99"}, "draft tokens must be auto or a whole number from 1 to 16"),
+    ],
+)
+def test_bad_input_gets_a_clear_message_and_the_pair_stays(app, client, kwargs, message):
+    from gradio_client.exceptions import AppError
+
+    _, pairs, _ = app
+    before = pairs.pair
+    with pytest.raises(AppError, match=message.replace("(", r"\(")) as err:
+        client.predict(**kwargs, api_name="/generate")
+    assert "Traceback" not in str(err.value)
+    assert pairs.pair is before
+
+
+def test_failed_load_keeps_the_previous_pair_usable(app, client, tmp_path):
+    from gradio_client.exceptions import AppError
+
+    _, pairs, _ = app
+    broken = tmp_path / "broken-model"
+    broken.mkdir()
+    (broken / "config.json").write_text("{not json")
+    before, loaded = pairs.pair, pairs.loaded
+    with pytest.raises(AppError):
+        client.predict(prompt="hi", drafter=str(broken), max_new_tokens=2, api_name="/generate")
+    assert pairs.pair is before and pairs.loaded == loaded
+    text, _, _ = client.predict(prompt="Say hello.", max_new_tokens=4, api_name="/generate")
+    assert text == plain_greedy(pairs, "Say hello.", 4)
+
+
+def test_the_queue_is_bounded_and_limits_model_work(app):
+    demo = app[0]
+    assert demo._queue.max_size == 16
+    models = [fn for fn in demo.fns.values() if fn.concurrency_id == "models"]
+    assert len(models) >= 5 and all(fn.concurrency_limit == "default" for fn in models)
+    assert demo._queue.default_concurrency_limit == 1
+
+
+def test_eight_clients_at_once_each_get_their_own_answer(app):
+    from gradio_client import Client
+
+    _, pairs, url = app
+    prompts = [f"Write the number {n} in words, then stop." for n in range(8)]
+    results: dict[int, tuple] = {}
+
+    def ask(i: int) -> None:
+        c = Client(url, verbose=False)
+        job = c.submit(prompt=prompts[i], max_new_tokens=8, api_name="/generate")
+        updates = [u[0] for u in job]
+        results[i] = (job.result()[0], updates)
+
+    threads = [threading.Thread(target=ask, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    assert sorted(results) == list(range(8))
+    for i, (text, updates) in results.items():
+        assert text == plain_greedy(pairs, prompts[i], 8), f"client {i} got another answer"
+        assert all(text.startswith(u) for u in updates), f"client {i} saw another stream"
+
+
+@pytest.mark.skipif(not shutil.which("chromium") and not os.environ.get("CI"),
+                    reason="Debian's chromium is installed by .ci/run and ./dev.sh test (in CI its absence fails)")
+def test_browser_chat_shows_coloured_tokens_stats_and_stop_keeps_the_chat(app):
+    from playwright.sync_api import expect, sync_playwright
+
+    url = app[2]
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=shutil.which("chromium"), args=[
+            "--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
+            "--disable-sync", "--no-first-run"])  # fmt: skip
+        page = browser.new_page(viewport={"width": 1400, "height": 1000})
+        page.goto(url)
+        page.locator("#settings").get_by_text("Settings").first.click()
+        max_new = page.locator("#max-new-tokens input")
+        max_new.fill("48")
+        max_new.press("Tab")
+        # slem drafts every round (auto may have learned from earlier tests that plain decoding is faster here)
+        page.locator("#algorithm input").click()
+        page.locator("#algorithm input").fill("slem")
+        page.locator("#algorithm input").press("Enter")
+        expect(page.locator("#algorithm input")).to_have_value("slem")
+        page.locator("#message textarea").fill("Write a Python function that checks whether a number is prime.")
+        page.locator("#send").click()
+        page.wait_for_selector("#stats .stop-reason", timeout=240_000)
+        assert page.locator("#tokens .tok").count() >= 10
+        assert page.locator("#tokens .tok-accepted").count() >= 1, "the drafter should get something right"
+        expect(page.locator("#stats")).to_contain_text("stopped: max_tokens")
+        tps = page.locator('#stats td[data-stat="tokens/s"]').inner_text()
+        assert float(tps) > 0
+        expect(page.locator("#chatbot")).to_contain_text("def")
+        page.screenshot(path=str(ROOT / "assets" / "screenshot.png"), full_page=True)
+
+        # A second turn, stopped mid-stream: the first turn and the partial answer stay.
+        max_new.fill("400")
+        max_new.press("Tab")
+        page.locator("#message textarea").fill("Now explain, step by step and at length, how it works.")
+        page.locator("#send").click()
+        expect(page.locator("#stats .stop-reason")).to_have_count(0, timeout=60_000)  # the new answer has started
+        time.sleep(2)
+        page.locator("#stop").click()
+        expect(page.locator("#stats")).to_contain_text("stopped: cancelled", timeout=60_000)
+        chat = page.locator("#chatbot")
+        expect(chat).to_contain_text("[stopped]")
+        expect(chat).to_contain_text("checks whether a number is prime")
+        expect(chat).to_contain_text("explain, step by step")
+
+        # The Pair tab: the numbers before loading, and a failed load that keeps the pair.
+        page.get_by_role("tab", name="Pair").click()
+        expect(page.locator("#pair-preview")).to_contain_text("Alpha ceiling for tli", timeout=60_000)
+        expect(page.locator("#pair-preview")).to_contain_text("GiB")
+        page.get_by_label("…or a drafter hub id / local path").fill("/no/such/model")
+        page.locator("#load").click()
+        expect(page.locator("#load-status")).to_contain_text("Could not load", timeout=60_000)
+        expect(page.locator("#load-status")).to_contain_text("still usable")
+        expect(page.locator("#pair-header")).to_contain_text("smollm2-135m-instruct")
+        browser.close()
+
+
+def test_switching_pairs_frees_the_old_models(app, client):
+    """Last in this module: it leaves the Qwen + Gemma pair loaded."""
+    import gc
+    import weakref
+
+    _, pairs, _ = app
+    old = weakref.ref(pairs.pair.drafter)
+    text, _, _ = client.predict(prompt="Say hello.", drafter="gemma-3-270m", max_new_tokens=6, api_name="/generate")
+    assert pairs.loaded.drafter == "gemma-3-270m"
+    assert text == plain_greedy(pairs, "Say hello.", 6)
+    gc.collect()
+    assert old() is None, "the old drafter is still referenced after the switch"
+
+
+def test_the_space_entry_point_runs_as_a_space_runs_it(tmp_path, real_paths):
+    """`python space_app.py` from the repository root, in Space mode: serves, and refuses paths outside the catalog."""
+    from gradio_client import Client
+    from gradio_client.exceptions import AppError
+
+    port = free_port()
+    env = {**os.environ, "USD_CHAT_SPACE": "1", "GRADIO_SERVER_NAME": "127.0.0.1", "GRADIO_SERVER_PORT": str(port),
+           "GRADIO_ANALYTICS_ENABLED": "False"}  # fmt: skip
+    log = open(tmp_path / "space.log", "w")  # noqa: SIM115
+    proc = subprocess.Popen([sys.executable, "space_app.py"], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.time() + 300
+        client = None
+        while client is None:
+            assert proc.poll() is None, (tmp_path / "space.log").read_text()[-3000:]
+            assert time.time() < deadline, "the Space app did not come up"
+            try:
+                client = Client(f"http://127.0.0.1:{port}/", verbose=False)
+            except Exception:
+                time.sleep(2)
+        with pytest.raises(AppError, match="this Space serves only its catalog models"):
+            client.predict(prompt="hi", drafter=str(tmp_path), api_name="/generate")
+        text, pieces, stats = client.predict(prompt="Say hello.", max_new_tokens=4, api_name="/generate")
+        assert text and pieces and stats["tokens"] == 4
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+        log.close()
