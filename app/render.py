@@ -136,7 +136,7 @@ class Live:
         out["speedup_basis"] = None
         if self.baseline_tokens_per_s and out["tokens_per_s"]:
             out["measured_speedup"] = out["tokens_per_s"] / self.baseline_tokens_per_s
-            out["speedup_basis"] = "measured"
+            out["speedup_basis"] = "against plain decoding measured earlier on this pair"
         elif self.plain_s and self.rounds > len(self.plain_s) and out["tokens_per_s"]:
             # No plain run to compare with yet: the plain steps inside this answer give plain decoding's rate.
             out["measured_speedup"] = out["tokens_per_s"] * _median(self.plain_s)

@@ -274,9 +274,8 @@ def build(pairs: Pairs) -> gr.Blocks:
             ensure_pair(target, drafter)
             for live in run(prompt, chat_mode=True, **s):
                 stats = live.numbers()
-                if live.finished is not None:
-                    stats = {**live.finished.stats.as_dict(), **{k: v for k, v in stats.items() if k not in
-                             live.finished.stats.as_dict()}}  # fmt: skip
+                if live.finished is not None:  # the engine's own final stats, plus the live-only keys
+                    stats.update(live.finished.stats.as_dict())
                 yield render.answer_text(live), render.piece_dicts(live.pieces), stats
         except (ValueError, LoadError) as e:
             raise gr.Error(str(e), print_exception=False) from None
@@ -323,46 +322,25 @@ def build(pairs: Pairs) -> gr.Blocks:
         gr.Markdown("# usd-chat · universal speculative decoding\nThe drafter proposes, the target verifies: the "
                     "answer is exactly the target's own, with every drafted token shown kept or thrown away.")
         header = gr.Markdown(pairs.describe(), elem_id="pair-header")
-        with gr.Tab("Chat", id="chat"):
-            with gr.Row():
-                with gr.Column(scale=3):
-                    chatbot = gr.Chatbot(label="Chat", height=420, elem_id="chatbot")
-                    box = gr.Textbox(label="Message", placeholder="Ask something, then press Enter or Send",
-                                     lines=2, elem_id="message")  # fmt: skip
-                    with gr.Row():
-                        send = gr.Button("Send", variant="primary", elem_id="send")
-                        stop = gr.Button("Stop", variant="stop", elem_id="stop")
-                        clear = gr.Button("Clear chat", elem_id="clear")
-                with gr.Column(scale=2):
-                    gr.HTML(render.legend_html())
-                    tokens = gr.HTML(render.pieces_html([]), label="Tokens", elem_id="tokens")
-                    stats = gr.HTML(render.stats_html({}, "auto"), elem_id="stats")
-                    chart = gr.LinePlot(EMPTY_CHART, x="round", y="tokens", color="series", height=180,
-                                        label="Tokens per round: accepted drafts and emitted", elem_id="chart")
-            with gr.Accordion("Settings", open=False, elem_id="settings"):
+        with gr.Tab("Chat", id="chat"), gr.Row():
+            with gr.Column(scale=3):
+                chatbot = gr.Chatbot(label="Chat", height=420, elem_id="chatbot")
+                box = gr.Textbox(label="Message", placeholder="Ask something, then press Enter or Send",
+                                 lines=2, elem_id="message")  # fmt: skip
                 with gr.Row():
-                    algorithm = gr.Dropdown(ALGORITHM_CHOICES, value="auto", label="Algorithm", elem_id="algorithm",
-                                            info="auto picks per round what is fastest here; none = the target alone")
-                    draft = gr.Dropdown(DRAFT_CHOICES, value="auto", label="Draft tokens (k)")
-                    max_new = gr.Number(DEFAULTS["max_new_tokens"], label="Max new tokens", precision=0, minimum=1,
-                                        maximum=MAX_NEW_TOKENS_LIMIT, elem_id="max-new-tokens")  # fmt: skip
-                with gr.Row():
-                    temperature = gr.Slider(0, 2, value=0, step=0.05, label="Temperature (0 = greedy)")
-                    top_p = gr.Slider(0.05, 1, value=1, step=0.05, label="Top-p")
-                    top_k = gr.Number(0, label="Top-k (0 = off)", precision=0, minimum=0)
-                    seed = gr.Textbox("", label="Seed (empty = random)", elem_id="seed")
-            knobs = [algorithm, draft, temperature, top_p, top_k, seed, max_new]
-            outputs = [chatbot, box, tokens, stats, chart]
-            # Every event that runs the models shares one concurrency group: the queue's limit counts them together.
-            for trigger in (send.click, box.submit):
-                trigger(chat_send, [box, chatbot, *knobs], outputs, api_visibility="private", concurrency_id=MODELS)
-            stop.click(chat_stop, None, None, concurrency_limit=None, api_visibility="private")
-            clear.click(lambda: ([], "", render.pieces_html([]), render.stats_html({}, "auto"), EMPTY_CHART),
-                        None, outputs, api_visibility="private", concurrency_limit=None)  # fmt: skip
+                    send = gr.Button("Send", variant="primary", elem_id="send")
+                    stop = gr.Button("Stop", variant="stop", elem_id="stop")
+                    clear = gr.Button("Clear chat", elem_id="clear")
+            with gr.Column(scale=2):
+                gr.HTML(render.legend_html())
+                tokens = gr.HTML(render.pieces_html([]), label="Tokens", elem_id="tokens")
+                stats = gr.HTML(render.stats_html({}, "auto"), elem_id="stats")
+                chart = gr.LinePlot(EMPTY_CHART, x="round", y="tokens", color="series", height=180,
+                                    label="Tokens per round: accepted drafts and emitted", elem_id="chart")
 
         with gr.Tab("Compare", id="compare"):
-            gr.Markdown("Same prompt, same seed: the target alone, then speculative decoding with the Chat tab's "
-                        f"settings. Run {render.COMPARE_ORDER}.")  # fmt: skip
+            gr.Markdown("Same prompt, same seed: the target alone, then speculative decoding with the settings "
+                        f"below. Run {render.COMPARE_ORDER}.")  # fmt: skip
             c_prompt = gr.Textbox(label="Prompt", lines=2, elem_id="compare-prompt")
             c_run = gr.Button("Compare", variant="primary", elem_id="compare-run")
             with gr.Row():
@@ -373,8 +351,6 @@ def build(pairs: Pairs) -> gr.Blocks:
                     c_spec_head = gr.Markdown("**speculative**")
                     c_spec = gr.HTML(render.pieces_html([]))
             c_summary = gr.HTML("", elem_id="compare-summary")
-            c_run.click(compare_ui, [c_prompt, *knobs], [c_plain, c_plain_head, c_spec, c_spec_head, c_summary],
-                        api_visibility="private", concurrency_id=MODELS)  # fmt: skip
 
         with gr.Tab("Pair", id="pair"):
             gr.Markdown("Choose a target and a drafter from any family; the numbers below are known before loading.")
@@ -397,6 +373,30 @@ def build(pairs: Pairs) -> gr.Blocks:
             load_btn.click(load, pair_inputs, [status, header], api_visibility="private",
                            concurrency_id=MODELS)  # fmt: skip
             demo.load(preview, pair_inputs, info, api_visibility="private", concurrency_limit=None)
+        # Settings below the tabs: Chat and Compare both use them.
+        with gr.Accordion("Settings", open=False, elem_id="settings"):
+            with gr.Row():
+                algorithm = gr.Dropdown(ALGORITHM_CHOICES, value="auto", label="Algorithm", elem_id="algorithm",
+                                        info="auto picks per round what is fastest here; none = the target alone")
+                draft = gr.Dropdown(DRAFT_CHOICES, value="auto", label="Draft tokens (k)")
+                max_new = gr.Number(DEFAULTS["max_new_tokens"], label="Max new tokens", precision=0, minimum=1,
+                                    maximum=MAX_NEW_TOKENS_LIMIT, elem_id="max-new-tokens")  # fmt: skip
+            with gr.Row():
+                temperature = gr.Slider(0, 2, value=0, step=0.05, label="Temperature (0 = greedy)")
+                top_p = gr.Slider(0.05, 1, value=1, step=0.05, label="Top-p")
+                top_k = gr.Number(0, label="Top-k (0 = off)", precision=0, minimum=0)
+                seed = gr.Textbox("", label="Seed (empty = random)", elem_id="seed")
+        knobs = [algorithm, draft, temperature, top_p, top_k, seed, max_new]
+        outputs = [chatbot, box, tokens, stats, chart]
+        # Every event that runs the models shares one concurrency group: the queue's limit counts them together.
+        for trigger in (send.click, box.submit):
+            trigger(chat_send, [box, chatbot, *knobs], outputs, api_visibility="private", concurrency_id=MODELS)
+        stop.click(chat_stop, None, None, concurrency_limit=None, api_visibility="private")
+        clear.click(lambda: ([], "", render.pieces_html([]), render.stats_html({}, "auto"), EMPTY_CHART),
+                    None, outputs, api_visibility="private", concurrency_limit=None)  # fmt: skip
+
+        c_run.click(compare_ui, [c_prompt, *knobs], [c_plain, c_plain_head, c_spec, c_spec_head, c_summary],
+                    api_visibility="private", concurrency_id=MODELS)  # fmt: skip
         demo.load(pairs.describe, None, header, api_visibility="private", concurrency_limit=None)
 
         gr.api(generate, api_name="generate", concurrency_id=MODELS)

@@ -91,7 +91,7 @@ def test_finished_stats_replace_the_running_estimate_and_a_baseline_gives_measur
     live.add(Finished("final text", (1, 2), stats))
     n = live.numbers()
     assert n["tokens_per_s"] == 6.0 and n["acceptance_rate"] == 0.5 and n["stop_reason"] == "eos"
-    assert n["measured_speedup"] == pytest.approx(0.6) and n["speedup_basis"] == "measured"
+    assert n["measured_speedup"] == pytest.approx(0.6) and n["speedup_basis"].startswith("against plain decoding")
     assert render.answer_text(live) == "final text"
 
 
