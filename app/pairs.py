@@ -47,6 +47,7 @@ class Pairs:
         self.loaded: Choice | None = None
         self._load_lock = threading.Lock()
         self._tokenizers: dict[str, object] = {}
+        self._overlaps: dict[tuple[str, str], dict] = {}
         self.baselines: dict[tuple, float] = {}
         """(target, drafter) -> plain decoding tokens/s measured on the loaded pair (compare view, plain chat)."""
 
@@ -99,7 +100,9 @@ class Pairs:
             return f"- **vocabulary**: cannot read a tokenizer ({e})"
         if tt is None or dt is None:
             return "- **vocabulary**: overlap and alpha ceiling are shown once both models are fetched (load the pair)."
-        o = overlap_numbers(tt, dt)
+        if (t.name, d.name) not in self._overlaps:  # aligning two 150k vocabularies takes a second or two
+            self._overlaps[(t.name, d.name)] = overlap_numbers(tt, dt)
+        o = self._overlaps[(t.name, d.name)]
         if o["same_tokenizer"]:
             return "- **vocabulary**: identical tokenizers, so `standard` speculative decoding applies (ceiling 100%)."
         return (f"- **vocabulary**: {o['shared']:,} shared tokens ({o['shared_pct_target']:.1f}% of the target's "
