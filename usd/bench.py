@@ -27,7 +27,9 @@ from .pair import Pair
 from .sampling import SamplingParams
 
 ALGORITHMS = ("none", "standard", "tli", "slem", "auto", "hf")
-SUMMARY_KEYS = ("algorithm", "wall_s", "tokens_per_s", "speedup_vs_none", "speedup_vs_hf", "acceptance_rate",
+SWEEP_K = tuple(range(1, 9))
+"""`--draft-tokens sweep`: every drafting algorithm at each of these draft lengths."""
+SUMMARY_KEYS = ("algorithm", "k", "wall_s", "tokens_per_s", "speedup_vs_none", "speedup_vs_hf", "acceptance_rate",
                 "tokens_per_round", "mean_k", "c", "v", "overhead_share", "identical_to_none")  # fmt: skip
 
 
@@ -35,6 +37,8 @@ SUMMARY_KEYS = ("algorithm", "wall_s", "tokens_per_s", "speedup_vs_none", "speed
 class Run:
     prompt: str
     algorithm: str
+    k: int | str | None
+    """The draft length asked for: a number, "auto", 0 for plain decoding, None for transformers (its own)."""
     target_ids: list[int]
     wall_s: float
     tokens: int
@@ -61,8 +65,8 @@ def run_ours(pair: Pair, prompt: Prompt, algorithm: str, k, params: SamplingPara
         if isinstance(event, Finished):
             done = event
     s = done.stats
-    return Run(prompt.id, algorithm, list(done.target_ids), s.wall_s, s.tokens, s.rounds, s.drafted, s.accepted,
-               s.mean_k, s.c, s.v, s.forward_s, s.stop_reason)  # fmt: skip
+    return Run(prompt.id, algorithm, 0 if algorithm == "none" else k, list(done.target_ids), s.wall_s, s.tokens,
+               s.rounds, s.drafted, s.accepted, s.mean_k, s.c, s.v, s.forward_s, s.stop_reason)  # fmt: skip
 
 
 @torch.inference_mode()
@@ -87,7 +91,7 @@ def run_hf(pair: Pair, hf_drafter, prompt: Prompt, params: SamplingParams, max_n
         if t in eos:
             ids = ids[:j]
             break
-    return Run(prompt.id, "hf", ids, wall, len(ids))
+    return Run(prompt.id, "hf", None, ids, wall, len(ids))
 
 
 def _mean(xs):
@@ -95,12 +99,29 @@ def _mean(xs):
     return sum(xs) / len(xs) if xs else None
 
 
-def summarize(runs: list[Run], algorithms: list[str], greedy: bool) -> list[dict]:
-    by = {a: [r for r in runs if r.algorithm == a] for a in algorithms}
-    walls = {a: sum(r.wall_s for r in rs) for a, rs in by.items()}
-    plain = {r.prompt: r.target_ids for r in by.get("none", [])}
+def variants(algorithms: list[str], k) -> list[tuple[str, int | str | None]]:
+    """(algorithm, draft length) pairs to run: plain decoding once, transformers once (it picks its own length), and
+    every drafting algorithm at `k`, or at each k of SWEEP_K when k is "sweep"."""
+    out = []
+    for a in algorithms:
+        if a == "none":
+            out.append(("none", 0))
+        elif a == "hf":
+            out.append(("hf", None))
+        else:
+            out += [(a, kk) for kk in SWEEP_K] if k == "sweep" else [(a, k)]
+    return out
+
+
+def summarize(runs: list[Run], plan: list[tuple], greedy: bool) -> list[dict]:
+    by = {v: [r for r in runs if (r.algorithm, r.k) == v] for v in plan}
+    walls = {v: sum(r.wall_s for r in rs) for v, rs in by.items()}
+    none_wall = walls.get(("none", 0))
+    hf_wall = walls.get(("hf", None))
+    plain = {r.prompt: r.target_ids for r in by.get(("none", 0), [])}
     rows = []
-    for a, rs in by.items():
+    for (a, k), rs in by.items():
+        wall = walls[(a, k)]
         tokens = sum(r.tokens for r in rs)
         ours = a != "hf"
         drafted = sum(r.drafted or 0 for r in rs)
@@ -108,16 +129,17 @@ def summarize(runs: list[Run], algorithms: list[str], greedy: bool) -> list[dict
         forward = sum(r.forward_s or 0.0 for r in rs)
         rows.append({
             "algorithm": a,
-            "wall_s": walls[a],
-            "tokens_per_s": tokens / walls[a] if walls[a] else 0.0,
-            "speedup_vs_none": walls["none"] / walls[a] if "none" in walls and walls[a] else None,
-            "speedup_vs_hf": walls["hf"] / walls[a] if "hf" in walls and walls[a] else None,
+            "k": k,
+            "wall_s": wall,
+            "tokens_per_s": tokens / wall if wall else 0.0,
+            "speedup_vs_none": none_wall / wall if none_wall and wall else None,
+            "speedup_vs_hf": hf_wall / wall if hf_wall and wall else None,
             "acceptance_rate": (sum(r.accepted for r in rs) / drafted if drafted else 0.0) if ours else None,
             "tokens_per_round": tokens / sum(r.rounds for r in rs) if ours else None,
             "mean_k": drafted / verify_rounds if ours and verify_rounds else (0.0 if ours else None),
             "c": _mean(r.c for r in rs) if ours else None,
             "v": _mean(r.v for r in rs) if ours else None,
-            "overhead_share": max(0.0, 1 - forward / walls[a]) if ours and walls[a] else None,
+            "overhead_share": max(0.0, 1 - forward / wall) if ours and wall else None,
             "identical_to_none": (all(r.target_ids == plain[r.prompt] for r in rs) if plain else None)
             if greedy else None,
             "tokens": tokens,
@@ -137,31 +159,41 @@ def machine(pair: Pair) -> dict:
 
 def bench(pair: Pair, prompts: list[Prompt], algorithms: list[str], k="auto", params: SamplingParams | None = None,
           max_new_tokens: int = 64, log=print) -> dict:  # fmt: skip
+    """Run every (algorithm, k) of `variants` on every prompt, interleaved, after a warm-up. k may be "sweep"."""
     params = params or SamplingParams()
     algorithms = [a for a in algorithms if a != "standard" or pair.same_tokenizer]
+    plan = variants(algorithms, k)
     hf_drafter = copy.deepcopy(pair.drafter) if "hf" in algorithms else None
 
-    def one(prompt, a, n, seed):
+    def one(prompt, variant, n, seed):
+        a, kk = variant
         p = SamplingParams(params.temperature, params.top_k, params.top_p, seed)
         if a == "hf":
             return run_hf(pair, hf_drafter, prompt, p, n)
-        return run_ours(pair, prompt, a, k, p, n)
+        return run_ours(pair, prompt, a, kk, p, n)
 
     log(f"warm-up: every algorithm once on {prompts[0].id}, 8 tokens")
-    for a in algorithms:
-        one(prompts[0], a, 8, params.seed)
+    first = {}
+    for a, kk in plan:
+        first.setdefault(a, (a, kk))
+    for variant in first.values():
+        one(prompts[0], variant, 8, params.seed)
     runs = []
     for i, prompt in enumerate(prompts):
-        order = algorithms[i % len(algorithms) :] + algorithms[: i % len(algorithms)]
+        order = plan[i % len(plan) :] + plan[: i % len(plan)]
         seed = None if params.seed is None else params.seed + i
-        for a in order:
-            runs.append(one(prompt, a, max_new_tokens, seed))
-        done = {r.algorithm: r for r in runs[-len(order) :]}
+        for variant in order:
+            runs.append(one(prompt, variant, max_new_tokens, seed))
+        done = {(r.algorithm, r.k): r for r in runs[-len(order) :]}
         log(f"[{i + 1}/{len(prompts)}] {prompt.id}: " + "  ".join(
-            f"{a} {done[a].wall_s:.2f}s" for a in algorithms))  # fmt: skip
-    return {"summary": summarize(runs, algorithms, params.greedy), "prompts": [asdict(r) for r in runs],
+            f"{label(*v)} {done[v].wall_s:.2f}s" for v in plan))  # fmt: skip
+    return {"summary": summarize(runs, plan, params.greedy), "prompts": [asdict(r) for r in runs],
             "machine": machine(pair), "settings": {"k": k, "temperature": params.temperature, "top_k": params.top_k,
             "top_p": params.top_p, "seed": params.seed, "max_new_tokens": max_new_tokens}}  # fmt: skip
+
+
+def label(algorithm: str, k) -> str:
+    return algorithm if k in (0, None) else f"{algorithm} k={k}"
 
 
 def _fmt(x, spec=".2f"):
@@ -178,7 +210,7 @@ def table(summary: list[dict]) -> str:
             "identical"]  # fmt: skip
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in summary:
-        cells = [r["algorithm"], _fmt(r["wall_s"], ".1f"), _fmt(r["tokens_per_s"], ".1f"),
+        cells = [label(r["algorithm"], r["k"]), _fmt(r["wall_s"], ".1f"), _fmt(r["tokens_per_s"], ".1f"),
                  _fmt(r["speedup_vs_none"]) + ("x" if r["speedup_vs_none"] else ""),
                  _fmt(r["speedup_vs_hf"]) + ("x" if r["speedup_vs_hf"] else ""), _fmt(r["acceptance_rate"]),
                  _fmt(r["tokens_per_round"]), _fmt(r["mean_k"], ".1f"), _fmt(r["c"]), _fmt(r["v"]),
@@ -200,7 +232,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-new-tokens", type=int, default=64)
-    p.add_argument("--draft-tokens", default="auto", help="K or auto (default auto)")
+    p.add_argument("--draft-tokens", default="auto",
+                   help=f"K, auto (adapt per round; default) or sweep (each k of {SWEEP_K[0]}..{SWEEP_K[-1]})")
+    p.add_argument("--plot", metavar="OUT.png", help="write the figures (speedups, alpha/tau against k, theory)")
+    p.add_argument("--pairs", metavar="suggested",
+                   help="'suggested': every suggested pair of the catalog whose models are on this machine")
     p.add_argument("--json", metavar="OUT", help="write the full result as JSON")
     p.add_argument("--csv", metavar="OUT", help="write the summary rows as CSV")
     p.add_argument("--device", choices=["cpu", "cuda"])
@@ -208,32 +244,76 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="for both models; identity checks want fp32 on a CPU")  # fmt: skip
 
 
+def parse_k(text: str):
+    if text in ("auto", "sweep"):
+        return text
+    if not text.isdigit() or not 1 <= int(text) <= 64:
+        raise ValueError(f"--draft-tokens must be a number from 1 to 64, auto or sweep, got {text!r}")
+    return int(text)
+
+
+def pairs_to_run(args, catalog) -> list[tuple[str | None, str | None]]:
+    """The pairs this invocation benchmarks: the one named (or the default), or every suggested pair whose two
+    models are already on this machine."""
+    if not args.pairs:
+        return [(args.target, args.drafter)]
+    if args.pairs != "suggested":
+        raise ValueError(f"--pairs takes 'suggested', got {args.pairs!r}")
+    from .store import local_path
+
+    ready = [(p.target, p.drafter) for p in catalog.pairs
+             if local_path(catalog.get(p.target)) is not None and local_path(catalog.get(p.drafter)) is not None]
+    if not ready:
+        raise ValueError("no suggested pair has both models on this machine; `usd pull` one (see `usd models`)")
+    return ready  # fmt: skip
+
+
 def run_cli(args, catalog=None) -> int:
     from .api import load_pair
+    from .catalog import load_catalog
 
+    catalog = catalog or load_catalog()
     algorithms = [a.strip() for a in args.algorithms.split(",") if a.strip()]
     unknown = [a for a in algorithms if a not in ALGORITHMS]
     if unknown:
         raise ValueError(f"unknown algorithm(s) {', '.join(unknown)}; choose from {', '.join(ALGORITHMS)}")
-    k = args.draft_tokens if args.draft_tokens == "auto" else int(args.draft_tokens)
+    k = parse_k(args.draft_tokens)
     prompts = load_prompts(args.dataset, args.limit)
     if not prompts:
         raise ValueError(f"dataset {args.dataset} has no prompts")
     log = lambda m: print(m, file=sys.stderr)  # noqa: E731
-    pair = load_pair(args.target, args.drafter, catalog=catalog, device=args.device, precision=args.precision, log=log)
     params = SamplingParams(args.temperature, args.top_k, args.top_p, args.seed)
-    result = bench(pair, prompts, algorithms, k, params, args.max_new_tokens, log=log)
-    result["settings"]["dataset"] = args.dataset
-    print(table(result["summary"]))
+    results = []
+    for target, drafter in pairs_to_run(args, catalog):
+        pair = load_pair(target, drafter, catalog=catalog, device=args.device, precision=args.precision, log=log)
+        result = bench(pair, prompts, algorithms, k, params, args.max_new_tokens, log=log)
+        result["settings"]["dataset"] = args.dataset
+        print(f"\n{pair.target_name} + {pair.drafter_name}, {args.dataset}:\n{table(result['summary'])}")
+        if args.plot:
+            out = args.plot if not args.pairs else _suffixed(args.plot, f"{pair.target_name}+{pair.drafter_name}")
+            from .plots import plot
+
+            plot(result, out)
+            log(f"plot: {out}")
+        results.append(result)
+        del pair
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
-            json.dump(result, f, indent=1)
+            json.dump(results[0] if not args.pairs else {"pairs": results}, f, indent=1)
     if args.csv:
+        keys = list(SUMMARY_KEYS) + (["target", "drafter"] if args.pairs else [])
         with open(args.csv, "w", newline="", encoding="utf-8") as f:
-            w = csv.DictWriter(f, fieldnames=list(SUMMARY_KEYS), extrasaction="ignore")
+            w = csv.DictWriter(f, fieldnames=keys, extrasaction="ignore")
             w.writeheader()
-            w.writerows(result["summary"])
+            for result in results:
+                w.writerows({**row, "target": result["machine"]["target"], "drafter": result["machine"]["drafter"]}
+                            for row in result["summary"])  # fmt: skip
     return 0
+
+
+def _suffixed(path: str, tag: str) -> str:
+    stem, dot, ext = path.rpartition(".")
+    return f"{stem}-{tag}.{ext}" if dot else f"{path}-{tag}"
 
 
 def main(argv: list[str] | None = None) -> int:

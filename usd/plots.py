@@ -1,0 +1,89 @@
+"""`usd bench --plot`: the benchmark's figures as one PNG (matplotlib, no display needed).
+
+Panels: speedup over plain decoding per algorithm; with `--draft-tokens sweep`, acceptance rate and tau against the
+draft length; and the measured speedup beside the theoretical S(k) = tau(alpha, k) / (k c + v) for the measured alpha,
+c and v, which shows how much of the gap to theory the loop itself leaves.
+"""
+
+from __future__ import annotations
+
+from .theory import expected_speedup
+
+DRAFTING = ("standard", "tli", "slem", "auto")
+
+
+def _label(row: dict) -> str:
+    return row["algorithm"] if row["k"] in (0, None) else f"{row['algorithm']} k={row['k']}"
+
+
+def theory_points(rows: list[dict], ks=range(1, 9)) -> list[tuple[int, float]]:
+    """S(k) for an algorithm's rows: alpha and c averaged over its rows, v per k where measured (it grows with k on a
+    CPU), else the mean v."""
+    alpha = sum(r["acceptance_rate"] for r in rows) / len(rows)
+    cs = [r["c"] for r in rows if r["c"] is not None]
+    vs = {r["k"]: r["v"] for r in rows if r["v"] is not None and isinstance(r["k"], int)}
+    if not cs or not vs:
+        return []
+    c = sum(cs) / len(cs)
+    v_mean = sum(vs.values()) / len(vs)
+    return [(k, expected_speedup(alpha, k, c, vs.get(k, v_mean))) for k in ks]
+
+
+def plot(result: dict, path: str, title: str = "") -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    summary = result["summary"]
+    drafting = [r for r in summary if r["algorithm"] in DRAFTING]
+    swept = len({r["k"] for r in drafting}) > 1
+    panels = 3 if swept else 2
+    fig, axes = plt.subplots(1, panels, figsize=(5.4 * panels, 4.2))
+
+    ax = axes[0]
+    rows = [r for r in summary if r["speedup_vs_none"] is not None]
+    ax.bar([_label(r) for r in rows], [r["speedup_vs_none"] for r in rows],
+           color=["#94a3b8" if r["algorithm"] in ("none", "hf") else "#16a34a" for r in rows])  # fmt: skip
+    ax.axhline(1.0, color="black", lw=0.8, ls="--")
+    ax.set_ylabel("speedup over plain decoding (wall time)")
+    ax.set_title("speedup per algorithm")
+    ax.tick_params(axis="x", rotation=60, labelsize=7 if len(rows) > 8 else 9)
+
+    by_algorithm: dict[str, list[dict]] = {}
+    for r in drafting:
+        if isinstance(r["k"], int):
+            by_algorithm.setdefault(r["algorithm"], []).append(r)
+    if swept:
+        ax = axes[1]
+        for a, rs in by_algorithm.items():
+            rs = sorted(rs, key=lambda r: r["k"])
+            ks = [r["k"] for r in rs]
+            ax.plot(ks, [r["acceptance_rate"] for r in rs], marker="o", label=f"{a} alpha")
+            ax.plot(ks, [r["tokens_per_round"] for r in rs], marker="s", ls="--", label=f"{a} tau")
+        ax.set_xlabel("draft length k")
+        ax.set_title("acceptance rate alpha and tokens per forward tau")
+        ax.legend(fontsize=8)
+
+    ax = axes[-1]
+    for i, (a, rs) in enumerate(by_algorithm.items()):
+        colour = f"C{i}"
+        curve = theory_points(rs)
+        if curve:
+            ax.plot(*zip(*curve, strict=True), color=colour, label=f"{a} theory S(k)")
+        measured = [(r["k"], r["speedup_vs_none"]) for r in rs if r["speedup_vs_none"] is not None]
+        if measured:
+            ax.scatter(*zip(*measured, strict=True), color=colour, marker="x", s=60, label=f"{a} measured")
+    ax.axhline(1.0, color="black", lw=0.8, ls="--")
+    ax.set_xlabel("draft length k")
+    ax.set_ylabel("speedup over plain decoding")
+    ax.set_title("measured vs theory (measured alpha, c, v)")
+    if by_algorithm:
+        ax.legend(fontsize=8)
+
+    m = result.get("machine", {})
+    fig.suptitle(title or f"{m.get('target', '?')} + {m.get('drafter', '?')} on {m.get('cuda') or m.get('processor')}"
+                 f" ({result.get('settings', {}).get('dataset', '')})", fontsize=10)  # fmt: skip
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
