@@ -1,4 +1,4 @@
-"""The `usd` command line: pull, models, overlap, generate, bench."""
+"""The `usd` command line: pull, models, overlap, generate, bench, project."""
 
 from __future__ import annotations
 
@@ -171,6 +171,12 @@ def cmd_bench(args) -> int:
     return run_cli(args, _catalog(args))
 
 
+def cmd_project(args) -> int:
+    from .projection import run_cli
+
+    return run_cli(args)
+
+
 def _config_vocab(path) -> int | None:
     try:
         cfg = json.loads((path / "config.json").read_text())
@@ -229,6 +235,12 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("bench", help="all algorithms side by side on a prompt set, with speedups and identity")
     add_arguments(p)
     p.set_defaults(func=cmd_bench)
+
+    from .projection import add_arguments as project_arguments
+
+    p = sub.add_parser("project", help="expected speedup over k on profiled hardware (theory + measured c and v)")
+    project_arguments(p)
+    p.set_defaults(func=cmd_project)
     return parser
 
 
