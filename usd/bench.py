@@ -79,11 +79,14 @@ def run_hf(pair: Pair, hf_drafter, prompt: Prompt, params: SamplingParams, max_n
         "top_p": params.top_p}  # fmt: skip
     if params.seed is not None:
         torch.manual_seed(params.seed)
+    # transformers refuses the tokenizers when both models share one (it then runs its same-vocabulary assisted path)
+    tokenizers = {} if pair.same_tokenizer else {"tokenizer": pair.target_tokenizer,
+                                                 "assistant_tokenizer": pair.drafter_tokenizer}  # fmt: skip
     t0 = time.perf_counter()
     out = pair.target.generate(
         torch.tensor([t_ids], device=device), attention_mask=torch.ones(1, len(t_ids), device=device),
-        assistant_model=hf_drafter, tokenizer=pair.target_tokenizer, assistant_tokenizer=pair.drafter_tokenizer,
-        max_new_tokens=max_new_tokens, eos_token_id=eos, pad_token_id=eos[0], **kwargs,
+        assistant_model=hf_drafter, max_new_tokens=max_new_tokens, eos_token_id=eos, pad_token_id=eos[0], **kwargs,
+        **tokenizers,
     )  # fmt: skip
     wall = time.perf_counter() - t0
     ids = out[0, len(t_ids) :].tolist()
