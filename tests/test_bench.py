@@ -50,7 +50,7 @@ def test_bench_every_algorithm_json_csv_png(tmp_path, prompts_file, real_paths, 
         assert 0 <= rows[a]["acceptance_rate"] <= 1 and rows[a]["tokens_per_round"] >= 1
         assert rows[a]["c"] > 0 and rows[a]["v"] > 0 and rows[a]["mean_k"] > 0 and 0 <= rows[a]["overhead_share"] < 1
     assert rows["none"]["speedup_vs_none"] == pytest.approx(1.0)
-    assert rows["hf"]["acceptance_rate"] is None
+    assert rows["hf"]["acceptance_rate"] is None and rows["none"]["acceptance_rate"] is None
     assert len(result["prompts"]) == 2 * 5
     assert result["machine"]["target"] == "qwen2.5-coder-0.5b-instruct"
     with open(tmp_path / "out.csv") as f:
@@ -84,6 +84,10 @@ def test_bench_sweep_over_draft_lengths(tmp_path, prompts_file, real_paths):
     assert all(r["identical_to_none"] for r in result["summary"])
     height, width, _ = valid_png(tmp_path / "s.png")
     assert width > 2 * height, "three panels side by side"
+    from usd.plots import main as replot
+
+    assert replot([str(tmp_path / "s.json"), str(tmp_path / "again.png")]) == 0
+    assert valid_png(tmp_path / "again.png") == (height, width, 4)
 
 
 def test_bench_suggested_pairs_that_are_on_this_machine(tmp_path, prompts_file, real_paths, catalog):

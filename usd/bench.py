@@ -137,7 +137,7 @@ def summarize(runs: list[Run], plan: list[tuple], greedy: bool) -> list[dict]:
             "tokens_per_s": tokens / wall if wall else 0.0,
             "speedup_vs_none": none_wall / wall if none_wall and wall else None,
             "speedup_vs_hf": hf_wall / wall if hf_wall and wall else None,
-            "acceptance_rate": (sum(r.accepted for r in rs) / drafted if drafted else 0.0) if ours else None,
+            "acceptance_rate": sum(r.accepted for r in rs) / drafted if ours and drafted else None,
             "tokens_per_round": tokens / sum(r.rounds for r in rs) if ours else None,
             "mean_k": drafted / verify_rounds if ours and verify_rounds else (0.0 if ours else None),
             "c": _mean(r.c for r in rs) if ours else None,

@@ -16,17 +16,24 @@ def _label(row: dict) -> str:
     return row["algorithm"] if row["k"] in (0, None) else f"{row['algorithm']} k={row['k']}"
 
 
+def _k(row: dict) -> float:
+    """Where a row sits on the draft-length axis: its fixed k, or the mean k it used when k adapted."""
+    return row["k"] if isinstance(row["k"], int) else row["mean_k"]
+
+
 def theory_points(rows: list[dict], ks=range(1, 9)) -> list[tuple[int, float]]:
-    """S(k) for an algorithm's rows: alpha and c averaged over its rows, v per k where measured (it grows with k on a
-    CPU), else the mean v."""
-    alpha = sum(r["acceptance_rate"] for r in rows) / len(rows)
+    """S(k) for an algorithm's rows: alpha and c averaged over its rows, v per k where measured at that k (it grows
+    with k on a CPU), else the mean v."""
+    rows = [r for r in rows if r["acceptance_rate"] is not None]
     cs = [r["c"] for r in rows if r["c"] is not None]
-    vs = {r["k"]: r["v"] for r in rows if r["v"] is not None and isinstance(r["k"], int)}
-    if not cs or not vs:
+    v_all = [r["v"] for r in rows if r["v"] is not None]
+    if not rows or not cs or not v_all:
         return []
+    alpha = sum(r["acceptance_rate"] for r in rows) / len(rows)
     c = sum(cs) / len(cs)
-    v_mean = sum(vs.values()) / len(vs)
-    return [(k, expected_speedup(alpha, k, c, vs.get(k, v_mean))) for k in ks]
+    v_at = {r["k"]: r["v"] for r in rows if r["v"] is not None and isinstance(r["k"], int)}
+    v_mean = sum(v_all) / len(v_all)
+    return [(k, expected_speedup(alpha, k, c, v_at.get(k, v_mean))) for k in ks]
 
 
 def plot(result: dict, path: str, title: str = "") -> None:
@@ -52,13 +59,13 @@ def plot(result: dict, path: str, title: str = "") -> None:
 
     by_algorithm: dict[str, list[dict]] = {}
     for r in drafting:
-        if isinstance(r["k"], int):
+        if r["mean_k"]:  # an algorithm that never drafted (auto settled on plain decoding) has nothing to plot
             by_algorithm.setdefault(r["algorithm"], []).append(r)
     if swept:
         ax = axes[1]
         for a, rs in by_algorithm.items():
-            rs = sorted(rs, key=lambda r: r["k"])
-            ks = [r["k"] for r in rs]
+            rs = sorted(rs, key=_k)
+            ks = [_k(r) for r in rs]
             ax.plot(ks, [r["acceptance_rate"] for r in rs], marker="o", label=f"{a} alpha")
             ax.plot(ks, [r["tokens_per_round"] for r in rs], marker="s", ls="--", label=f"{a} tau")
         ax.set_xlabel("draft length k")
@@ -66,19 +73,21 @@ def plot(result: dict, path: str, title: str = "") -> None:
         ax.legend(fontsize=8)
 
     ax = axes[-1]
-    for i, (a, rs) in enumerate(by_algorithm.items()):
+    # auto mixes plain steps and algorithms round by round: no single alpha, c and v describe it, so no curve
+    fixed = {a: rs for a, rs in by_algorithm.items() if a != "auto"}
+    for i, (a, rs) in enumerate(fixed.items()):
         colour = f"C{i}"
         curve = theory_points(rs)
         if curve:
             ax.plot(*zip(*curve, strict=True), color=colour, label=f"{a} theory S(k)")
-        measured = [(r["k"], r["speedup_vs_none"]) for r in rs if r["speedup_vs_none"] is not None]
+        measured = [(_k(r), r["speedup_vs_none"]) for r in rs if r["speedup_vs_none"] is not None]
         if measured:
             ax.scatter(*zip(*measured, strict=True), color=colour, marker="x", s=60, label=f"{a} measured")
     ax.axhline(1.0, color="black", lw=0.8, ls="--")
     ax.set_xlabel("draft length k")
     ax.set_ylabel("speedup over plain decoding")
     ax.set_title("measured vs theory (measured alpha, c, v)")
-    if by_algorithm:
+    if fixed:
         ax.legend(fontsize=8)
 
     m = result.get("machine", {})
@@ -87,3 +96,25 @@ def plot(result: dict, path: str, title: str = "") -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m usd.plots BENCH.json OUT.png`: draw a saved `usd bench --json` result again."""
+    import json
+    import sys
+
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 2:
+        print("usage: python -m usd.plots BENCH.json OUT.png", file=sys.stderr)
+        return 2
+    with open(args[0], encoding="utf-8") as f:
+        result = json.load(f)
+    results = result.get("pairs", [result])
+    for i, r in enumerate(results):
+        out = args[1] if len(results) == 1 else args[1].replace(".png", f"-{i}.png")
+        plot(r, out)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
