@@ -36,7 +36,7 @@ PROMPTS = [
 MAX_NEW = 20
 ALGORITHMS = [("tli", 4), ("slem", 4), ("auto", "auto")]
 MORE = [("none", 4), ("tli", "auto"), ("slem", "auto"), ("tli", 1), ("slem", 8)]
-"""Also run on every fourth prompt: CI time is spent where bugs would differ."""
+"""Also run on every sixth prompt: CI time is spent where bugs would differ."""
 
 
 def load_pair(catalog, target, drafter) -> Pair:
@@ -81,7 +81,7 @@ def test_every_algorithm_equals_plain_greedy(pair, prompt):
     if prompt is LONG:
         assert len(ids) > 1000
     ref = plain_greedy(pair.target, ids)
-    for algorithm, k in ALGORITHMS + (MORE if PROMPTS.index(prompt) % 4 == 0 else []):
+    for algorithm, k in ALGORITHMS + (MORE if PROMPTS.index(prompt) % 6 == 0 else []):
         events = list(stream(pair, ids, dids, algorithm=algorithm, k=k, max_new_tokens=MAX_NEW))
         done = events[-1]
         assert isinstance(done, Finished) and all(isinstance(e, Round) for e in events[:-1])
@@ -119,13 +119,14 @@ def test_chat_answers_equal_plain_greedy_with_either_drafter_rendering(pair, ren
     check_same(ref, plain, pair.eos_ids(), "chat")
 
 
-@pytest.mark.parametrize("prompt", [PROMPTS[0], PROMPTS[2], PROMPTS[3], PROMPTS[6]], ids=range(4))
+@pytest.mark.parametrize("prompt", [PROMPTS[0], PROMPTS[2], PROMPTS[3], PROMPTS[6], LONG], ids=range(5))
 def test_gemma_drafter_equals_plain_greedy(gemma_pair, prompt):
-    """A third family: SentencePiece with byte fallback drafting for a byte-level BPE target."""
+    """A third family: SentencePiece with byte fallback drafting for a byte-level BPE target. LONG is past Gemma 3's
+    512-token sliding window, where rolling back a rejected draft needs the cache's recorded past."""
     ids = gemma_pair.target_tokenizer.encode(prompt)
     dids = gemma_pair.drafter_tokenizer.encode(prompt)
     ref = plain_greedy(gemma_pair.target, ids)
-    for algorithm in ("tli", "slem", "auto"):
+    for algorithm in ("slem",) if prompt is LONG else ("tli", "slem", "auto"):  # LONG: CI time, one is enough
         *_, done = stream(gemma_pair, ids, dids, algorithm=algorithm, k=4, max_new_tokens=MAX_NEW)
         check_same(done, ref, gemma_pair.eos_ids(), f"gemma {algorithm} on {prompt!r}")
         if algorithm != "auto":

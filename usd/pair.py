@@ -14,33 +14,54 @@ class Context:
     """A model, the token ids it has seen, and its KV cache over all but the not-yet-fed tail."""
 
     def __init__(self, model, ids: list[int]):
-        from transformers import DynamicCache
-
         self.model = model
         self.ids = list(ids)
-        self.cache = DynamicCache(config=model.config)
+        self.cache = self._new_cache()
         self.cached = 0
+        self.fed_since_crop = 0
         self.matched = (0, 0)
         self.forward_s = 0.0
         """Seconds spent inside model forwards: the rest of a round's time is the loop's own overhead."""
         """(tokens, bytes) of the generated ids known to spell a prefix of the committed text (drafter sync)."""
 
+    def _new_cache(self):
+        from transformers import DynamicCache
+
+        cache = DynamicCache(config=self.model.config)
+        # Sliding-window layers (Gemma 3: 512 tokens) drop states that leave the window as they go; recording keeps
+        # them until the next crop, so a rejected draft can be rolled back.
+        self.sliding = False
+        for layer in cache.layers:
+            if hasattr(layer, "activate_past_recording"):
+                layer.activate_past_recording()
+                self.sliding = True
+        return cache
+
     def truncate(self, n: int) -> None:
         del self.ids[n:]
         if self.cached > n:
-            self.cache.crop(n - self.cached)  # transformers 5: a negative count of tokens to drop
-            self.cached = n
+            self._rollback(self.cached - n)
+
+    def _rollback(self, drop: int) -> None:
+        if self.sliding and drop > self.fed_since_crop:
+            # A sliding-window layer kept only what was fed since its last crop: anything older is gone, so start
+            # the cache again (rare: the drafter's resync never reaches behind the previous round).
+            self.cache, self.cached = self._new_cache(), 0
+        else:
+            self.cache.crop(-drop)  # transformers 5: a negative count of tokens to drop
+            self.cached -= drop
+        self.fed_since_crop = 0
 
     @torch.inference_mode()
     def forward(self, keep: int = 0) -> torch.Tensor:
         """Feed every id the cache lacks; return the logits of the last `keep` of them (0: all) as [n, V] float32
         on the CPU. Asking only for what is needed matters: a 1,000-token prefill of a 150k vocabulary is 600 MB."""
         if self.cached == len(self.ids):  # nothing new: re-feed the last token to get its logits again
-            self.cache.crop(-1)
-            self.cached -= 1
+            self._rollback(1)
         t0 = time.perf_counter()
         new = torch.tensor([self.ids[self.cached :]], device=self.model.device)
         out = self.model(input_ids=new, cache=self.cache, use_cache=True, logits_to_keep=keep)
+        self.fed_since_crop += len(self.ids) - self.cached
         self.cached = len(self.ids)
         logits = out.logits[0].float().cpu()  # waits for the device, so the time below is the forward's
         self.forward_s += time.perf_counter() - t0
