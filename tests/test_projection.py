@@ -49,8 +49,8 @@ def test_alpha_per_algorithm_from_a_bench_result():
     result = {"summary": [
         {"algorithm": "none", "k": 0, "acceptance_rate": 0.0},
         {"algorithm": "tli", "k": 1, "acceptance_rate": 0.4}, {"algorithm": "tli", "k": 2, "acceptance_rate": 0.6},
-        {"algorithm": "slem", "k": "auto", "acceptance_rate": 0.7}, {"algorithm": "hf", "k": None,
-                                                                     "acceptance_rate": None}]}  # fmt: skip
+        {"algorithm": "slem", "k": "auto", "acceptance_rate": 0.7}, {"algorithm": "auto", "k": "auto",
+        "acceptance_rate": 0.3}, {"algorithm": "hf", "k": None, "acceptance_rate": None}]}  # fmt: skip
     assert alphas_from_bench(result) == {"tli": pytest.approx(0.5), "slem": pytest.approx(0.7)}
     assert alphas_from_bench({"pairs": [result]}) == alphas_from_bench(result)
 

@@ -63,12 +63,13 @@ def project(alpha: float, c: float, v: dict[int, float] | float, k_max: int = 8)
 
 
 def alphas_from_bench(result: dict) -> dict[str, float]:
-    """Measured acceptance per drafting algorithm of a `usd bench --json` result (the mean over its k values)."""
+    """Measured acceptance per algorithm (standard, tli, slem) of a `usd bench --json` result (mean over its k)."""
     summaries = [p["summary"] for p in result["pairs"]] if "pairs" in result else [result["summary"]]
     by: dict[str, list[float]] = {}
     for summary in summaries:
         for row in summary:
-            if row["algorithm"] in ("standard", "tli", "slem", "auto") and row.get("acceptance_rate"):
+            # auto mixes plain steps and algorithms round by round: its alpha describes no single algorithm
+            if row["algorithm"] in ("standard", "tli", "slem") and row.get("acceptance_rate"):
                 by.setdefault(row["algorithm"], []).append(row["acceptance_rate"])
     if not by:
         raise ValueError("the bench result has no drafting algorithm with an acceptance rate")
