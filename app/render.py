@@ -199,10 +199,6 @@ def answer_text(live: Live) -> str:
     return "".join(p.text for p in live.pieces if p.kind != "rejected")
 
 
-def chart_rows(live: Live) -> list[dict]:
-    return list(live.chart)
-
-
 COMPARE_ORDER = "one after the other: plain decoding first, then speculative, so neither slows the other"
 
 
