@@ -7,13 +7,10 @@ c and v, which shows how much of the gap to theory the loop itself leaves.
 
 from __future__ import annotations
 
+from .bench import label
 from .theory import expected_speedup
 
 DRAFTING = ("standard", "tli", "slem", "auto")
-
-
-def _label(row: dict) -> str:
-    return row["algorithm"] if row["k"] in (0, None) else f"{row['algorithm']} k={row['k']}"
 
 
 def _k(row: dict) -> float:
@@ -50,7 +47,7 @@ def plot(result: dict, path: str, title: str = "") -> None:
 
     ax = axes[0]
     rows = [r for r in summary if r["speedup_vs_none"] is not None]
-    ax.bar([_label(r) for r in rows], [r["speedup_vs_none"] for r in rows],
+    ax.bar([label(r["algorithm"], r["k"]) for r in rows], [r["speedup_vs_none"] for r in rows],
            color=["#94a3b8" if r["algorithm"] in ("none", "hf") else "#16a34a" for r in rows])  # fmt: skip
     ax.axhline(1.0, color="black", lw=0.8, ls="--")
     ax.set_ylabel("speedup over plain decoding (wall time)")
