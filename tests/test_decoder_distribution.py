@@ -80,7 +80,8 @@ def pairs(real_tokenizers):
     out = {}
     for key, (t_name, d_name) in PAIRS.items():
         tt, td = real_tokenizers[t_name], real_tokenizers[d_name]
-        target, drafter = tiny_pair(tt, td, seed=1)
+        # seed 0: acceptance 0.3-0.5 for every case here (seed 1 left qwen+smol near 0.07, seed 2 near 0.02)
+        target, drafter = tiny_pair(tt, td, seed=0)
         out[key] = (Pair(target, tt, drafter, td), tt.encode(PROMPT), td.encode(PROMPT))
     return out
 

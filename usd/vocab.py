@@ -36,7 +36,9 @@ def tokenizer_kind(tokenizer) -> str:
     """'byte_level' or 'sentencepiece' (▁ for spaces, <0xNN> byte fallback), judged from the decoder pipeline."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is None:
-        return "sentencepiece" if "▁" in "".join(list(tokenizer.get_vocab())[:2000]) else "byte_level"
+        # the lowest ids, not the first keys: get_vocab()'s order is not the id order and may change per process
+        vocab = tokenizer.get_vocab()
+        return "sentencepiece" if "▁" in "".join(sorted(vocab, key=vocab.get)[:2000]) else "byte_level"
     spec = json.loads(backend.to_str())
     decoder = spec.get("decoder") or {}
     parts = decoder.get("decoders", [decoder]) if decoder.get("type") == "Sequence" else [decoder]
