@@ -85,6 +85,14 @@ def test_alignment_maps_bytes_specials_and_eos(real_tokenizers):
 
 
 @pytest.mark.real_models
+def test_alignment_is_in_id_order(real_tokenizers):
+    # get_vocab()'s order changes from process to process; the map must not (the tiny test pairs are drawn from it)
+    for target, drafter in [(QWEN, SMOL), (SMOL, GEMMA)]:
+        ids = list(align(real_tokenizers[target], real_tokenizers[drafter]).drafter_to_target)
+        assert ids == sorted(ids)
+
+
+@pytest.mark.real_models
 def test_cli_overlap_json(real_paths, capsys):
     assert main(["overlap", QWEN, SMOL, "--json"]) == 0
     report = json.loads(capsys.readouterr().out)

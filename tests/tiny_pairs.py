@@ -35,10 +35,10 @@ def tiny_pair(target_tokenizer, drafter_tokenizer, seed: int = 0, sharpness: flo
     if drafter_tokenizer is target_tokenizer:
         d_ids = t_ids = torch.arange(len(target_tokenizer))
     else:
-        # Sorted: the map follows get_vocab()'s order, which the Rust tokenizers randomise per process, and the
-        # likely tokens below are drawn by position in it. Unsorted, each process built a different pair.
-        d2t = sorted(align(target_tokenizer, drafter_tokenizer).drafter_to_target.items())
-        d_ids, t_ids = torch.tensor([d for d, _ in d2t]), torch.tensor([t for _, t in d2t])
+        # The likely tokens below are drawn by position in this map: align() keeps it in id order, so every process
+        # builds the same pair.
+        d2t = align(target_tokenizer, drafter_tokenizer).drafter_to_target
+        d_ids, t_ids = torch.tensor(list(d2t)), torch.tensor(list(d2t.values()))
     # A few dozen "likely" tokens, mostly shared ones plus some the drafter cannot spell, carry nearly all the mass.
     likely = torch.cat([t_ids[torch.randperm(len(t_ids))[:48]], torch.randint(len(target_tokenizer), (16,))])
     target.lm_head.weight[likely] *= sharpness

@@ -103,7 +103,8 @@ class Overlap:
     target: TokenizerBytes
     drafter: TokenizerBytes
     drafter_to_target: dict[int, int]
-    """Every drafter id in I -> the target id with the same bytes (several drafter ids may map to one target id)."""
+    """Every drafter id in I -> the target id with the same bytes (several drafter ids may map to one target id), in
+    drafter id order."""
     shared_strings: int
     """How many distinct byte strings (plus shared special strings) both vocabularies hold."""
     shared_without_normalisation: int
@@ -145,7 +146,9 @@ def align(target_tokenizer, drafter_tokenizer) -> Overlap:
             d2t[i] = t_eos[0]
     shared_bytes = len({b for b in d.bytes_of.values()} & set(t_ids))
     raw = set(target_tokenizer.get_vocab()) & set(drafter_tokenizer.get_vocab())
-    return Overlap(t, d, d2t, shared_bytes + shared_special, len(raw))
+    # In drafter id order: get_vocab(), which the loops above follow, comes in an order the Rust tokenizers
+    # randomise per process, and nothing downstream should see a different map in each run.
+    return Overlap(t, d, dict(sorted(d2t.items())), shared_bytes + shared_special, len(raw))
 
 
 def overlap_report(
