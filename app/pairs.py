@@ -153,11 +153,12 @@ def _free_memory() -> None:
 
 
 def overlap_numbers(target_tokenizer, drafter_tokenizer) -> dict:
-    from usd.vocab import align, overlap_report
+    from usd.vocab import align, overlap_report, same_vocabulary
 
-    report = overlap_report(target_tokenizer, drafter_tokenizer)
-    shared_targets = set(align(target_tokenizer, drafter_tokenizer).drafter_to_target.values())
+    overlap = align(target_tokenizer, drafter_tokenizer)
+    report = overlap_report(target_tokenizer, drafter_tokenizer, overlap=overlap)
+    shared_targets = set(overlap.drafter_to_target.values())
     ids = target_tokenizer.encode(CEILING_SAMPLE, add_special_tokens=False)
     report["alpha_ceiling"] = sum(i in shared_targets for i in ids) / len(ids)
-    report["same_tokenizer"] = target_tokenizer.get_vocab() == drafter_tokenizer.get_vocab()
+    report["same_tokenizer"] = same_vocabulary(target_tokenizer, drafter_tokenizer)
     return report

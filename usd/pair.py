@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .vocab import TokenizerBytes, align, tokenizer_bytes
+from .vocab import TokenizerBytes, align, same_vocabulary, tokenizer_bytes
 
 
 class Context:
@@ -107,8 +107,7 @@ class Pair:
         if self.drafter_tokenizer is None:
             return False
         if "same" not in self._cache:
-            a, b = self.target_tokenizer, self.drafter_tokenizer
-            self._cache["same"] = a is b or a.get_vocab() == b.get_vocab()
+            self._cache["same"] = same_vocabulary(self.target_tokenizer, self.drafter_tokenizer)
         return self._cache["same"]
 
     @property
@@ -134,7 +133,7 @@ class Pair:
                 t_ids = d_ids
             else:
                 d2t = align(self.target_tokenizer, self.drafter_tokenizer).drafter_to_target
-                pairs = sorted((d, t) for d, t in d2t.items() if d < vocab_d and t < vocab_t)
+                pairs = [(d, t) for d, t in d2t.items() if d < vocab_d and t < vocab_t]  # in id order: align's
                 d_ids, t_ids = [d for d, _ in pairs], [t for _, t in pairs]
             self._cache["map"] = (torch.tensor(d_ids, dtype=torch.long), torch.tensor(t_ids, dtype=torch.long),
                                   vocab_t)  # fmt: skip

@@ -151,12 +151,19 @@ def align(target_tokenizer, drafter_tokenizer) -> Overlap:
     return Overlap(t, d, dict(sorted(d2t.items())), shared_bytes + shared_special, len(raw))
 
 
+def same_vocabulary(a, b) -> bool:
+    """Both tokenizers map every piece to the same id: `standard` speculative decoding applies."""
+    return a is b or a.get_vocab() == b.get_vocab()
+
+
 def overlap_report(
-    target_tokenizer, drafter_tokenizer, target_vocab: int | None = None, drafter_vocab: int | None = None
+    target_tokenizer, drafter_tokenizer, target_vocab: int | None = None, drafter_vocab: int | None = None,
+    overlap: Overlap | None = None,
 ) -> dict:
     """The numbers `usd overlap` prints. Vocabulary sizes default to the tokenizers' sizes; pass the models'
-    embedding sizes (config.vocab_size) to report against the rows the model actually scores."""
-    o = align(target_tokenizer, drafter_tokenizer)
+    embedding sizes (config.vocab_size) to report against the rows the model actually scores. Pass `overlap` when
+    the caller has aligned the two already (it takes a second or two for 150k vocabularies)."""
+    o = overlap or align(target_tokenizer, drafter_tokenizer)
     tv = target_vocab or o.target.size
     dv = drafter_vocab or o.drafter.size
     return {
