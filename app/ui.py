@@ -181,6 +181,28 @@ def build(pairs: Pairs) -> gr.Blocks:
         return (render.pieces_html(live.pieces), render.stats_html(n, live.algorithm),
                 pd.DataFrame(live.chart) if live.chart else EMPTY_CHART)  # fmt: skip
 
+    def ensure_pair(target: str, drafter: str) -> None:
+        if not (target or drafter):
+            return
+        loaded = pairs.loaded
+        t = target or (loaded.target if loaded else pairs.catalog.default.target)
+        d = drafter or (loaded.drafter if loaded else pairs.catalog.default.drafter)
+        try:
+            pairs.load(t, d, log=lambda *_: None)
+        except (LoadError, ValueError):
+            raise
+        except Exception as e:  # whatever a broken model directory throws: the reason, and the old pair stays
+            raise LoadError(f"could not load {t} + {d}: {type(e).__name__}: {e}") from None
+
+    def checked(prompt, knobs: tuple, target: str = "", drafter: str = "") -> tuple[str, dict]:
+        """The prompt and settings every handler starts from, each problem as a message (InputError, LoadError);
+        loads the named pair if one is named, and makes sure some pair is loaded."""
+        s = settings(*knobs)
+        prompt = check_prompt(prompt)
+        ensure_pair(target, drafter)
+        pairs.current()
+        return prompt, s
+
     # --- chat ------------------------------------------------------------------------------------------------------
 
     @gpu
@@ -188,9 +210,7 @@ def build(pairs: Pairs) -> gr.Blocks:
                   request: gr.Request):  # fmt: skip
         history = list(history or [])
         try:
-            s = settings(algorithm, draft_tokens, temperature, top_p, top_k, seed, max_new_tokens)
-            prompt = check_prompt(message)
-            pairs.current()
+            prompt, s = checked(message, (algorithm, draft_tokens, temperature, top_p, top_k, seed, max_new_tokens))
         except (ValueError, LoadError) as e:
             raise gr.Error(str(e), print_exception=False) from None
         messages = [{"role": m["role"], "content": _text(m["content"]).removesuffix(STOPPED)} for m in history]
@@ -237,9 +257,7 @@ def build(pairs: Pairs) -> gr.Blocks:
     @gpu
     def compare_ui(prompt, algorithm, draft_tokens, temperature, top_p, top_k, seed, max_new_tokens):
         try:
-            s = settings(algorithm, draft_tokens, temperature, top_p, top_k, seed, max_new_tokens)
-            prompt = check_prompt(prompt)
-            pairs.current()
+            prompt, s = checked(prompt, (algorithm, draft_tokens, temperature, top_p, top_k, seed, max_new_tokens))
             for plain, spec, summary in compare_stream(prompt, s):
                 yield (*column(plain, "plain target"), *column(spec, f"speculative ({s['algorithm']})"),
                        render.summary_html(summary) if summary else "")  # fmt: skip
@@ -247,19 +265,6 @@ def build(pairs: Pairs) -> gr.Blocks:
             raise gr.Error(str(e), print_exception=False) from None
 
     # --- API (named endpoints for gradio_client) -------------------------------------------------------------------
-
-    def ensure_pair(target: str, drafter: str) -> None:
-        if not (target or drafter):
-            return
-        loaded = pairs.loaded
-        t = target or (loaded.target if loaded else pairs.catalog.default.target)
-        d = drafter or (loaded.drafter if loaded else pairs.catalog.default.drafter)
-        try:
-            pairs.load(t, d, log=lambda *_: None)
-        except (LoadError, ValueError):
-            raise
-        except Exception as e:  # whatever a broken model directory throws: the reason, and the old pair stays
-            raise LoadError(f"could not load {t} + {d}: {type(e).__name__}: {e}") from None
 
     @gpu
     def generate(prompt: str, target: str = "", drafter: str = "", algorithm: str = "auto", draft_tokens: str = "auto",
@@ -269,9 +274,8 @@ def build(pairs: Pairs) -> gr.Blocks:
         `pieces` is a list of {text, kind, round}; `stats` holds acceptance_rate, tokens_per_round, tokens_per_s,
         wall_s and more. Empty target/drafter: the loaded pair."""
         try:
-            s = settings(algorithm, draft_tokens, temperature, top_p, top_k, seed, max_new_tokens)
-            prompt = check_prompt(prompt)
-            ensure_pair(target, drafter)
+            knobs = (algorithm, draft_tokens, temperature, top_p, top_k, seed, max_new_tokens)
+            prompt, s = checked(prompt, knobs, target, drafter)
             for live in run(prompt, chat_mode=True, **s):
                 stats = live.numbers()
                 if live.finished is not None:  # the engine's own final stats, plus the live-only keys
@@ -287,9 +291,8 @@ def build(pairs: Pairs) -> gr.Blocks:
         """Plain target decoding, then speculative decoding, same prompt and seed. Returns (plain_text,
         speculative_text, summary) with summary holding identical, plain_s, speculative_s, speedup."""
         try:
-            s = settings(algorithm, draft_tokens, temperature, top_p, top_k, seed, max_new_tokens)
-            prompt = check_prompt(prompt)
-            ensure_pair(target, drafter)
+            knobs = (algorithm, draft_tokens, temperature, top_p, top_k, seed, max_new_tokens)
+            prompt, s = checked(prompt, knobs, target, drafter)
             *_, (plain, spec, summary) = compare_stream(prompt, s)
         except (ValueError, LoadError) as e:
             raise gr.Error(str(e), print_exception=False) from None
