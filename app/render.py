@@ -23,12 +23,6 @@ SLOWER = 0.95
 """Below this measured (or estimated) speedup, the panel says in words that speculation is costing time."""
 
 
-def _visible(text: str) -> str:
-    # The token view keeps white space (CSS pre-wrap); a token that is only spaces gets a class that shades it, so
-    # it can still be seen and hovered.
-    return html.escape(text)
-
-
 def piece_title(piece: Piece) -> str:
     ids = f"target id {piece.target_id}" if piece.target_id is not None else "no target id"
     if piece.drafter_ids:
@@ -40,9 +34,11 @@ def piece_span(piece: Piece) -> str:
     if piece.kind not in KINDS:
         raise ValueError(f"unknown piece kind {piece.kind!r}")
     tag = "s" if piece.kind == "rejected" else "span"
+    # The token view keeps white space (CSS pre-wrap); a token that is only spaces gets a class that shades it, so
+    # it can still be seen and hovered.
     blank = " tok-blank" if piece.text and not piece.text.strip() else ""
     return (f'<{tag} class="tok tok-{piece.kind}{blank}" data-kind="{piece.kind}" data-round="{piece.round}" '
-            f'title="{html.escape(piece_title(piece), quote=True)}">{_visible(piece.text)}</{tag}>')  # fmt: skip
+            f'title="{html.escape(piece_title(piece), quote=True)}">{html.escape(piece.text)}</{tag}>')  # fmt: skip
 
 
 def pieces_html(pieces: list[Piece] | tuple[Piece, ...]) -> str:
