@@ -104,3 +104,8 @@ def test_bench_suggested_pairs_that_are_on_this_machine(tmp_path, prompts_file, 
         assert {(r["target"], r["drafter"]) for r in csv.DictReader(f)} == set(ran)
     for target, drafter in ran:
         valid_png(tmp_path / f"p-{target}+{drafter}.png")
+    from usd.plots import main as replot
+
+    assert replot([str(tmp_path / "p.json"), str(tmp_path / "again.png")]) == 0  # redrawn under the same names
+    for target, drafter in ran:
+        valid_png(tmp_path / f"again-{target}+{drafter}.png")

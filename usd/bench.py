@@ -293,7 +293,7 @@ def run_cli(args, catalog=None) -> int:
         result["settings"]["dataset"] = args.dataset
         print(f"\n{pair.target_name} + {pair.drafter_name}, {args.dataset}:\n{table(result['summary'])}")
         if args.plot:
-            out = args.plot if not args.pairs else _suffixed(args.plot, f"{pair.target_name}+{pair.drafter_name}")
+            out = args.plot if not args.pairs else pair_plot_path(args.plot, result)
             from .plots import plot
 
             plot(result, out)
@@ -314,7 +314,9 @@ def run_cli(args, catalog=None) -> int:
     return 0
 
 
-def _suffixed(path: str, tag: str) -> str:
+def pair_plot_path(path: str, result: dict) -> str:
+    """Where one pair's figure goes when a run holds several pairs: OUT-TARGET+DRAFTER.png."""
+    tag = f"{result['machine']['target']}+{result['machine']['drafter']}"
     stem, dot, ext = path.rpartition(".")
     return f"{stem}-{tag}.{ext}" if dot else f"{path}-{tag}"
 

@@ -7,7 +7,7 @@ c and v, which shows how much of the gap to theory the loop itself leaves.
 
 from __future__ import annotations
 
-from .bench import label
+from .bench import label, pair_plot_path
 from .theory import expected_speedup
 
 DRAFTING = ("standard", "tli", "slem", "auto")
@@ -107,9 +107,8 @@ def main(argv: list[str] | None = None) -> int:
     with open(args[0], encoding="utf-8") as f:
         result = json.load(f)
     results = result.get("pairs", [result])
-    for i, r in enumerate(results):
-        out = args[1] if len(results) == 1 else args[1].replace(".png", f"-{i}.png")
-        plot(r, out)
+    for r in results:
+        plot(r, args[1] if len(results) == 1 else pair_plot_path(args[1], r))
     return 0
 
 
