@@ -20,9 +20,9 @@ class Context:
         self.cached = 0
         self.fed_since_crop = 0
         self.matched = (0, 0)
+        """(tokens, bytes) of the generated ids known to spell a prefix of the committed text (drafter sync)."""
         self.forward_s = 0.0
         """Seconds spent inside model forwards: the rest of a round's time is the loop's own overhead."""
-        """(tokens, bytes) of the generated ids known to spell a prefix of the committed text (drafter sync)."""
 
     def _new_cache(self):
         from transformers import DynamicCache
