@@ -60,6 +60,8 @@ def run(device: str, precisions: list[str]) -> list[dict]:
             seconds = time.perf_counter() - t0
             row = {
                 "precision": precision,
+                "loaded_as": lm.plan.precision,
+                "why": lm.plan.note,
                 "device": str(lm.model.device),
                 "new_tokens": int(out.shape[1] - ids["input_ids"].shape[1]),
                 "weights_bytes": int(lm.model.get_memory_footprint()),
