@@ -459,3 +459,97 @@ def test_no_algorithm_modifies_the_models_under_sampling(tok):
         _, done = run(pair, ids, dids, algorithm=algorithms[0], k=3, max_new_tokens=8)
         assert done.stats.drafted > 0
         assert_plain(pair, ids, dids, done, 8)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# invalid UTF-8 in the answer, and a drafter resync that would cut a character
+
+
+def byte_token(tb, value: int) -> int:
+    return min(i for i, b in tb.bytes_of.items() if b == bytes([value]))
+
+
+@pytest.mark.parametrize("algorithm", ["none", *SPEC])
+def test_invalid_utf8_in_the_answer_neither_blanks_the_stream_nor_blinds_the_drafter(tok, algorithm):
+    """A lone continuation byte (as a sampled partial character leaves) sits early in the answer: every later piece
+    still shows its text, the pieces add up to the text (the byte as U+FFFD), and the drafter keeps drafting well."""
+    tt, dt = tok[QWEN], tok[SMOL]
+    pair0, *_ = scripted_pair(tt, dt, "Say:", enc(tt, " ok"), None)
+    bad_t, bad_d = byte_token(pair0.target_bytes, 0x80), byte_token(pair0.drafter_bytes, 0x80)
+    words = " and then the rest of the answer goes on here"
+    pair, ids, dids = scripted_pair(tt, dt, "Say:", enc(tt, " ok") + [bad_t] + enc(tt, words) + [tt.eos_token_id],
+                                    enc(dt, " ok") + [bad_d] + enc(dt, words) + [dt.eos_token_id])  # fmt: skip
+    rounds, done = run(pair, ids, dids, algorithm=algorithm, k=4, max_new_tokens=40)
+    assert done.text == " ok\ufffd" + words and done.stats.stop_reason == "eos"
+    pieces = emitted(rounds)
+    assert "".join(p.text for p in pieces) == done.text
+    assert all(p.text for p in pieces)
+    if algorithm != "none":  # the drafter followed the text past the invalid byte: most later tokens were drafted
+        assert done.stats.accepted >= len(enc(tt, words)) - 4
+    assert_plain(pair, ids, dids, done, 40)
+
+
+@pytest.mark.parametrize("committed", ["é tail".encode(), b" ok\x80 and more", "日本語です".encode()])
+def test_drafter_resync_spells_the_committed_bytes_and_never_cuts_a_character(tok, committed):
+    """sync_drafter's one-token back-off can land inside a character when the drafter spelled it in byte tokens;
+    it backs off to the character's start, and invalid bytes reach the drafter as its own byte tokens."""
+    from usd.decoder import Context
+    from usd.drafters import sync_drafter
+
+    tt, dt = tok[QWEN], tok[SMOL]
+    pair, _, dids = scripted_pair(tt, dt, "Say:", enc(tt, " ok"), None)
+    db = pair.drafter_bytes
+    drafter = Context(pair.drafter, dids)
+    # the drafter's own context: the first character in single-byte tokens, so the back-off lands inside it
+    first = committed[: 2 if committed[0] >= 0x80 else 1]
+    drafter.ids += [byte_token(db, b) for b in first]
+    sync_drafter(pair, drafter, len(dids), [], committed)
+    assert b"".join(bytes_of(db, i) for i in drafter.ids[len(dids) :]) == committed
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# context limits: a drafter with learned positions and a shorter context than the target's, and the verify positions
+
+
+def gpt2_like(tokenizer, positions: int, seed: int):
+    """A tiny model with learned absolute positions: feeding it past `positions` raises an IndexError."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(seed)
+    cfg = GPT2Config(vocab_size=len(tokenizer), n_positions=positions, n_embd=32, n_layer=1, n_head=2,
+                     bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)  # fmt: skip
+    return GPT2LMHeadModel(cfg).eval()
+
+
+@pytest.mark.parametrize("algorithm", SPEC)
+@pytest.mark.parametrize("prompt_words", [3, 40], ids=["fills-mid-answer", "full-from-the-start"])
+def test_a_drafter_with_a_short_context_stops_drafting_instead_of_crashing(tok, algorithm, prompt_words):
+    tt, dt = tok[QWEN], tok[SMOL]
+    pair, _, _ = scripted_pair(tt, dt, "x", enc(tt, " ok"), None)
+    pair.drafter = gpt2_like(dt, positions=32, seed=1)
+    prompt = "Count:" + " one" * prompt_words
+    ids, dids = tt.encode(prompt), dt.encode(prompt)
+    rounds, done = run(pair, ids, dids, algorithm=algorithm, k=4, max_new_tokens=40)
+    assert done.stats.drafting_stopped and "drafter's context (32 tokens) is full" in done.stats.drafting_stopped
+    assert rounds[-1].algorithm == "none"
+    if prompt_words == 40:
+        assert done.stats.drafted == 0
+    assert_plain(pair, ids, dids, done, 40)
+
+
+@pytest.mark.parametrize("algorithm", SPEC)
+def test_verify_positions_stay_inside_the_targets_context(tok, algorithm):
+    """prompt + max new tokens fits the target's context exactly; the k verify positions past the last committed
+    token must not run over it near the end (a learned-position target would crash there)."""
+    tt, dt = tok[QWEN], tok[SMOL]
+    pair, _, _ = scripted_pair(tt, dt, "x", enc(tt, " ok"), None)
+    ids, dids = tt.encode("Count: one"), dt.encode("Count: one")
+    max_new = 20
+    pair.target = gpt2_like(tt, positions=len(ids) + max_new, seed=0)
+    pair.context_length = len(ids) + max_new
+    pair.drafter = gpt2_like(dt, positions=256, seed=1)
+    _, done = run(pair, ids, dids, algorithm=algorithm, k=8, max_new_tokens=max_new)
+    assert done.stats.tokens == max_new or done.stats.stop_reason == "eos"
+    assert done.stats.drafting_stopped is None
+    _, plain = run(pair, ids, dids, algorithm="none", max_new_tokens=max_new)
+    assert done.target_ids == plain.target_ids

@@ -7,6 +7,7 @@ drafter's context follows the committed *bytes* (its own tokenization of the sam
 
 from __future__ import annotations
 
+import secrets
 import threading
 import time
 from collections.abc import Iterator
@@ -15,9 +16,10 @@ import torch
 
 from .drafters import draft_strings, draft_tokens, sync_drafter
 from .events import Finished, Piece, Round, Stats
-from .pair import Context, Pair, bytes_of, utf8_complete
-from .sampling import SamplingParams, make_generator, position_generator, probabilities
+from .pair import Context, Pair, bytes_of, model_context_length
+from .sampling import DRAFTER_STREAM, SamplingParams, make_generator, position_generator, probabilities
 from .schedule import Schedule
+from .utf8 import piece_decoder
 from .verify import exact_match, greedy_match, rejection_sampling
 
 ALGORITHMS = ("auto", "standard", "tli", "slem", "none")
@@ -42,6 +44,11 @@ def _check_k(k) -> int | str:
     if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= 64:
         raise ValueError(f"draft tokens must be 'auto' or a whole number from 0 to 64, got {k!r}")
     return k
+
+
+def _room(limit: int | None, used: int) -> int:
+    """How many more positions a model of context `limit` can take after `used` (no limit: any k)."""
+    return 1 << 30 if limit is None else limit - used
 
 
 def _tail_text(text: bytes, new: int, stop_strings: tuple[str, ...]) -> str:
@@ -83,8 +90,8 @@ def stream(
     # With a seed, auto only uses modes whose answer the seed fixes (plain and slem, see position_generator), so
     # "same seed, same text" holds for regenerate, for --samples, and between the compare view's two columns.
     schedule = Schedule(pair, algo, k, probe_first, seeded_sampling=not params.greedy and params.seed is not None)
-    g = make_generator(params.seed)  # drafter samples and rejection-sampling uniforms
-    base_seed = params.seed if params.seed is not None else int(torch.randint(1 << 62, (), generator=g))
+    g = make_generator(params.seed, DRAFTER_STREAM)  # drafter samples and rejection-sampling uniforms
+    base_seed = params.seed if params.seed is not None else secrets.randbits(63)  # keys the target's own draws
     t_start = time.perf_counter()
     target = Context(pair.target, prompt_ids)
     tb = pair.target_bytes
@@ -96,11 +103,13 @@ def stream(
 
     generated: list[int] = []
     committed = b""  # the generated text's bytes
-    emitted_text = b""  # bytes already handed out as piece text (whole characters only)
+    piece_text = piece_decoder()  # a piece shows the characters it completes; a split one waits for its rest
     rounds = drafted_total = accepted_total = 0
     by_algorithm: dict[str, int] = {}
     t_plain, t_verify, t_draft_step = [], [], []
-    stop_reason = None
+    stop_reason = drafting_stopped = None
+    target_limit = pair.context_length
+    drafter_limit = (pair.drafter_context_length or model_context_length(pair.drafter)) if drafter else None
 
     def prefill(ctx: Context) -> None:
         """Feed all but the last prompt token, so that later steps feed only what is new."""
@@ -117,10 +126,21 @@ def stream(
             stop_reason = "cancelled"
             break
         mode, k_round = schedule.next()
+        if mode != "none" and drafting_stopped is None:
+            if not drafter_ready:
+                sync_drafter(pair, drafter, drafter_prompt_len, generated, committed)
+            # Neither model may be fed past its context: the target verifies k_round positions past its ids, the
+            # drafter writes k_round past its own. A drafter with learned positions would crash (IndexError on a
+            # CPU, a device assert on CUDA); when it has no room left, the answer goes on plainly.
+            k_round = min(k_round, _room(target_limit, len(target.ids)), _room(drafter_limit, len(drafter.ids)))
+            if _room(drafter_limit, len(drafter.ids)) < 1:
+                drafting_stopped = (f"the drafter's context ({drafter_limit:,} tokens) is full: the rest of the "
+                                    "answer was decoded by the target alone")  # fmt: skip
+        if mode != "none" and (drafting_stopped is not None or k_round < 1):
+            mode, k_round = "none", 0
         if mode != "none" and not drafter_ready:
             prefill(drafter)  # a one-time cost, kept out of the round's time so it does not bias auto's choice
             drafter_ready = True
-            sync_drafter(pair, drafter, drafter_prompt_len, generated, committed)
         t0 = time.perf_counter()
         if mode == "none":
             candidates, q, drafter_ids = [], [], []
@@ -129,7 +149,9 @@ def stream(
                 draft = draft_strings(pair, drafter, k_round, eos, schedule.min_confidence)
             else:
                 draft = draft_tokens(pair, drafter, k_round, params, g, eos, schedule.min_confidence)
-            candidates, q, drafter_ids = draft.candidates, draft.q, draft.drafter_ids
+            # slem's re-tokenized text can hold more target tokens than the drafter wrote: keep what fits the target
+            room = _room(target_limit, len(target.ids))
+            candidates, q, drafter_ids = draft.candidates[:room], draft.q[:room], draft.drafter_ids[:room]
             if draft.steps:
                 t_draft_step.append((time.perf_counter() - t0) / draft.steps)
         t1 = time.perf_counter()
@@ -167,9 +189,7 @@ def stream(
         for j in range(keep):
             t = emitted_ids[j]
             new_bytes += bytes_of(tb, t)
-            # a piece shows the whole characters it completes; a split multi-byte character waits for its rest
-            whole = utf8_complete(committed + new_bytes)
-            text, emitted_text = whole[len(emitted_text) :].decode("utf-8"), whole
+            text = piece_text.decode(bytes_of(tb, t))
             kind_j = "accepted" if j < accepted else kind
             dids = drafter_ids[j] if j < accepted else ()
             pieces.append(Piece(text, kind_j, t, rounds, dids))
@@ -201,6 +221,7 @@ def stream(
     v = (sum(t_verify) / len(t_verify) / t_step) if (t_step and t_verify) else None
     stats = Stats(algo, rounds, drafted_total, accepted_total, len(generated), wall, stop_reason, c, v,
                   drafted_total / len(t_verify) if t_verify else 0.0, by_algorithm,
-                  target.forward_s + (drafter.forward_s if drafter is not None else 0.0))  # fmt: skip
+                  target.forward_s + (drafter.forward_s if drafter is not None else 0.0),
+                  drafting_stopped)  # fmt: skip
     text = pair.target_tokenizer.decode(generated, skip_special_tokens=False)
     yield Finished(text, tuple(generated), stats)

@@ -12,8 +12,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .pair import Context, Pair, bytes_of, utf8_complete
+from .pair import Context, Pair, bytes_of
 from .sampling import SamplingParams, probabilities, sample
+from .utf8 import inside_character, split_utf8, valid_prefix
 
 
 @dataclass
@@ -78,7 +79,7 @@ def draft_strings(pair: Pair, drafter: Context, k: int, eos: set[int], min_confi
             ended = True
             break
         drafted.append(d)
-    text = utf8_complete(b"".join(bytes_of(db, d) for d in drafted)).decode("utf-8")
+    text = valid_prefix(b"".join(bytes_of(db, d) for d in drafted))
     candidates = pair.target_tokenizer.encode(text, add_special_tokens=False) if text else []
     if ended:  # the drafter ended its answer: propose the target's own end of turn
         primary = pair.target_tokenizer.eos_token_id
@@ -112,12 +113,29 @@ def sync_drafter(pair: Pair, drafter: Context, prompt_len: int, generated: list[
             pos += len(b)
         else:
             break
+    # Back off one token, and on to a character boundary: a cut inside a character re-tokenizes as garbage.
     if keep and pos < len(committed):
         keep -= 1
         pos -= len(bytes_of(db, gen[keep]))
-    tail = utf8_complete(committed[pos:])
+        while keep and inside_character(committed, pos):
+            keep -= 1
+            pos -= len(bytes_of(db, gen[keep]))
     drafter.truncate(prompt_len + keep)
     drafter.matched = (keep, pos)
-    if tail:
-        drafter.ids.extend(pair.drafter_tokenizer.encode(tail.decode("utf-8"), add_special_tokens=False))
+    drafter.ids.extend(encode_bytes(pair, committed[pos:]))
+
+
+def encode_bytes(pair: Pair, data: bytes) -> list[int]:
+    """The drafter's tokens for `data`, whatever bytes it holds: text through its tokenizer, each invalid byte as the
+    drafter's own token for that byte, so its context spells the committed text exactly and stays in step with it.
+    A valid incomplete character at the end waits for its rest."""
+    ids = []
+    for run in split_utf8(data):
+        if isinstance(run, str):
+            ids += pair.drafter_tokenizer.encode(run, add_special_tokens=False)
+        else:  # a drafter without a token for some byte sees U+FFFD there, and resyncs from it each round
+            byte_ids = pair.drafter_byte_ids()
+            ids += [byte_ids[b] for b in run] if all(b in byte_ids for b in run) else pair.drafter_tokenizer.encode(
+                "\ufffd", add_special_tokens=False)
+    return ids
 

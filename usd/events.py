@@ -56,6 +56,8 @@ class Stats:
     """How many rounds each algorithm ran (plain steps count as none)."""
     forward_s: float = 0.0
     """Seconds inside model forwards (target and drafter, prefill included); the rest of wall_s is overhead."""
+    drafting_stopped: str | None = None
+    """Why drafting stopped before the answer ended (the drafter's context was full), in plain words; else None."""
 
     @property
     def acceptance_rate(self) -> float:
@@ -93,7 +95,7 @@ class Stats:
             "wall_s": self.wall_s, "tokens_per_s": self.tokens_per_s, "stop_reason": self.stop_reason,
             "c": self.c, "v": self.v, "mean_k": self.mean_k, "theoretical_speedup": self.theoretical_speedup,
             "rounds_by_algorithm": dict(self.rounds_by_algorithm), "forward_s": self.forward_s,
-            "overhead_share": self.overhead_share,
+            "overhead_share": self.overhead_share, "drafting_stopped": self.drafting_stopped,
         }  # fmt: skip
 
 

@@ -73,15 +73,14 @@ def bytes_of(tb: TokenizerBytes, i: int) -> bytes:
     return b if b is not None else tb.specials.get(i, "").encode()
 
 
-def utf8_complete(b: bytes) -> bytes:
-    """The longest prefix of b that ends on a whole UTF-8 character (hold back a split multi-byte character)."""
-    for cut in range(len(b), max(-1, len(b) - 4), -1):
-        try:
-            b[:cut].decode("utf-8")
-            return b[:cut]
-        except UnicodeDecodeError:
-            continue
-    return b""
+def model_context_length(model) -> int | None:
+    """The most positions a model's config says it takes (learned position tables end there), if it says."""
+    cfg = getattr(model, "config", None)
+    for c in (cfg, getattr(cfg, "text_config", None)):
+        n = getattr(c, "max_position_embeddings", None) or getattr(c, "n_positions", None)
+        if isinstance(n, int) and n > 0:
+            return n
+    return None
 
 
 @dataclass
@@ -99,6 +98,9 @@ class Pair:
     target_name: str = "target"
     drafter_name: str | None = None
     context_length: int | None = None
+    """The target's context in tokens (None: unchecked)."""
+    drafter_context_length: int | None = None
+    """The drafter's; None: what its config says (`model_context_length`)."""
     memory: dict = field(default_factory=dict, repr=False)
     _cache: dict = field(default_factory=dict, repr=False)
 
@@ -138,6 +140,14 @@ class Pair:
             self._cache["map"] = (torch.tensor(d_ids, dtype=torch.long), torch.tensor(t_ids, dtype=torch.long),
                                   vocab_t)  # fmt: skip
         return self._cache["map"]
+
+    def drafter_byte_ids(self) -> dict[int, int]:
+        """byte value -> a drafter token of exactly that one byte (byte-level BPE's alphabet, SentencePiece's <0xNN>),
+        so the drafter can be fed text that is not valid UTF-8."""
+        if "byte_ids" not in self._cache:
+            singles = {b[0]: i for i, b in sorted(self.drafter_bytes.bytes_of.items(), reverse=True) if len(b) == 1}
+            self._cache["byte_ids"] = singles
+        return self._cache["byte_ids"]
 
     def eos_ids(self) -> set[int]:
         ids = set(self.target_bytes.eos_ids)

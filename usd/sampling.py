@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 
@@ -51,26 +52,37 @@ def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     return logits.softmax(-1)
 
 
-def make_generator(seed: int | None) -> torch.Generator:
-    g = torch.Generator()
-    g.manual_seed(seed if seed is not None else torch.seed())
-    return g
+DRAFTER_STREAM = 0
+"""The stream of the drafter's samples and of rejection sampling's uniforms."""
+POSITION_STREAM = 1
+"""The streams of the target's own draws, one per answer position (see `position_generator`)."""
 
 
-def position_generator(seed: int, position: int) -> torch.Generator:
+def make_generator(seed: int | None, *stream: int) -> np.random.Generator:
+    """A private random stream. numpy's SeedSequence takes the whole integer seed (torch's CPU generator keeps only
+    32 bits of it, so s and s + 2**32 would give one answer) and gives every `stream` key a statistically independent
+    stream, so the drafter's samples never reuse the uniforms of the target's own draws. Without a seed it draws
+    fresh entropy from the OS, and no global generator (torch's, numpy's, Python's) is read or reseeded."""
+    if seed is None:
+        return np.random.default_rng()
+    entropy = 2 * seed if seed >= 0 else -2 * seed - 1  # any integer, negative ones too, to a distinct one >= 0
+    return np.random.Generator(np.random.PCG64(np.random.SeedSequence(entropy, spawn_key=stream)))
+
+
+def position_generator(seed: int, position: int) -> np.random.Generator:
     """The generator for the target's own draw at one answer position. Keying the target's draws by position (not
     by how many draws came before) makes a seeded answer independent of how rounds were cut: plain decoding and
     exact-match verification (slem) give the same text for a seed, whatever k or schedule ran; up to floating point:
     a verify forward over k+1 tokens rounds differently from single steps, so a draw that lands within rounding of
     a boundary between two tokens' cumulative probabilities can pick the neighbour (rare at usual top-k/top-p)."""
-    return make_generator((seed * 0x9E3779B97F4A7C15 + position) % (1 << 63))
+    return make_generator(seed, POSITION_STREAM, position)
 
 
-def sample(p: torch.Tensor, generator: torch.Generator) -> int:
+def sample(p: torch.Tensor, generator: np.random.Generator) -> int:
     """One token id from a [V] distribution, by inverting its CDF at one uniform draw: a single pass over the
     vocabulary, several times cheaper than torch.multinomial on 150k-260k vocabularies."""
     cdf = p.cpu().double().cumsum(0)
-    u = float(torch.rand((), generator=generator, dtype=torch.float64)) * float(cdf[-1])
+    u = generator.random() * float(cdf[-1])
     i = int(torch.searchsorted(cdf, torch.tensor([u], dtype=torch.float64), right=True))
     # rounding can land u on the very end; step back to the last token with mass
     i = min(i, p.shape[0] - 1)
@@ -79,5 +91,5 @@ def sample(p: torch.Tensor, generator: torch.Generator) -> int:
     return i
 
 
-def uniform(generator: torch.Generator) -> float:
-    return float(torch.rand((), generator=generator))
+def uniform(generator: np.random.Generator) -> float:
+    return float(generator.random())

@@ -7,13 +7,14 @@ target adds after them, `resampled` at the first rejection or `bonus` after a fu
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from .sampling import sample, uniform
 
 
 def rejection_sampling(
-    p: torch.Tensor, q: torch.Tensor, drafted: list[int], generator: torch.Generator
+    p: torch.Tensor, q: torch.Tensor, drafted: list[int], generator: np.random.Generator
 ) -> tuple[int, int, str]:
     """Speculative sampling (Leviathan et al., Chen et al.): lossless for any proposal q.
 
@@ -37,7 +38,7 @@ def rejection_sampling(
     return k, sample(p[k], generator), "bonus"
 
 
-def exact_match(p: torch.Tensor, drafted: list[int], generators: list[torch.Generator]) -> tuple[int, int, str]:
+def exact_match(p: torch.Tensor, drafted: list[int], generators: list[np.random.Generator]) -> tuple[int, int, str]:
     """String-level exact match (SLEM), also under sampling: at each position the target draws its own token from
     p_i (with generators[i], one per position); the candidate survives only if it is that very token. Every emitted
     token is a draw from p, so this is lossless whatever produced the candidates (which need no q at all)."""
