@@ -11,7 +11,7 @@ import pytest
 from app import render
 from app.pairs import Pairs, SpaceModeError
 from app.space import space_mode
-from app.ui import Cancels, InputError, _text, settings
+from app.ui import Cancels, InputError, _text, prompt_text, settings
 from usd.events import Finished, Piece, Round, Stats
 from usd.loading import LoadError
 from usd.theory import expected_speedup
@@ -128,14 +128,30 @@ def test_compare_summary():
         (("fast", "auto", 0, 1, 0, None, 10), "unknown algorithm"),
         (("auto", "17", 0, 1, 0, None, 10), "draft tokens must be auto or a whole number from 1 to 16"),
         (("auto", "0", 0, 1, 0, None, 10), "from 1 to 16"),
-        (("auto", "auto", -1, 1, 0, None, 10), "temperature must be between"),
-        (("auto", "auto", 0, 0, 0, None, 10), "top-p must be above 0"),
+        (("auto", "auto", -1, 1, 0, None, 10), "temperature must be a number from 0 (greedy) to 5, got -1"),
+        (("auto", "auto", 0, 0, 0, None, 10), "top-p must be a number above 0 and at most 1, got 0"),
         (("auto", "auto", 0, 1, -3, None, 10), "top-k must be a whole number"),
         (("auto", "auto", 0, 1, 0, -1, 10), "seed must be a whole number"),
         (("auto", "auto", 0, 1, 0, None, 0), "max new tokens must be a whole number from 1 to 4,096"),
         (("auto", "auto", 0, 1, 0, None, 5000), "max new tokens must be a whole number from 1 to 4,096"),
         (("auto", "auto", 0, 1, 0, None, 2.5), "max new tokens must be a whole number"),
-        (("auto", "auto", 0, 1, 0, None, "many"), "max new tokens must be a whole number, got 'many'"),
+        (("auto", "auto", 0, 1, 0, None, "many"), "max new tokens must be a whole number from 1 to 4,096, got 'many'"),
+        # API callers can send any text or JSON: each gets a message naming the setting and its range
+        (("auto", "auto", 0, 1, 0, None, "inf"), "max new tokens must be a whole number from 1 to 4,096, got 'inf'"),
+        (("auto", "auto", 0, 1, 0, None, float("inf")), "max new tokens must be a whole number from 1 to 4,096"),
+        (("auto", "auto", 0, 1, 0, None, "nan"), "max new tokens must be a whole number from 1 to 4,096, got 'nan'"),
+        (("auto", "auto", 0, 1, 0, None, "1e400"), "max new tokens must be a whole number from 1 to 4,096"),
+        (("auto", "auto", 0, 1, 0, None, [5]), "max new tokens must be a whole number from 1 to 4,096, got [5]"),
+        (("auto", "auto", 0, 1, "inf", None, 10), "top-k must be a whole number from 0 to"),
+        (("auto", "auto", 0, 1, 0, "inf", 10), "seed must be a whole number from 0 to"),
+        (("auto", "auto", 0, 1, 0, "nan", 10), "seed must be a whole number from 0 to"),
+        (("auto", "²", 0, 1, 0, None, 10), "draft tokens must be auto or a whole number from 1 to 16, got '²'"),
+        (("auto", "auto", "abc", 1, 0, None, 10), "temperature must be a number from 0 (greedy) to 5, got 'abc'"),
+        (("auto", "auto", "nan", 1, 0, None, 10), "temperature must be a number from 0 (greedy) to 5, got 'nan'"),
+        (("auto", "auto", {}, 1, 0, None, 10), "temperature must be a number from 0 (greedy) to 5, got {}"),
+        (("auto", "auto", 0, "abc", 0, None, 10), "top-p must be a number above 0 and at most 1, got 'abc'"),
+        (("auto", "auto", 0, "inf", 0, None, 10), "top-p must be a number above 0 and at most 1, got 'inf'"),
+        ((7, "auto", 0, 1, 0, None, 10), "unknown algorithm '7'"),
     ],
 )
 def test_settings_errors_say_what_to_change(args, message):
@@ -148,6 +164,21 @@ def test_settings_accept_what_the_widgets_send():
     assert s == {"algorithm": "slem", "draft_tokens": 4, "temperature": 0.7, "top_p": 0.9, "top_k": 20, "seed": 3,
                  "max_new_tokens": 64}  # fmt: skip
     assert settings(None, None, None, None, None, "", None)["max_new_tokens"] == 256
+
+
+def test_settings_keep_big_seeds_exact():
+    assert settings("auto", "auto", 0, 1, 0, str((1 << 63) - 1), 10)["seed"] == (1 << 63) - 1
+    assert settings("auto", "auto", 0, 1, 0, 12345678901234567, 10)["seed"] == 12345678901234567
+
+
+@pytest.mark.parametrize(
+    ("prompt", "message"),
+    [(123, "the prompt must be text, got a number"), (1.5, "the prompt must be text, got a number"),
+     (["hi"], "the prompt must be text, got a list"), ("  ", "the prompt is empty")],
+)  # fmt: skip
+def test_a_prompt_that_is_not_text_says_so(prompt, message):
+    with pytest.raises(InputError, match=message):
+        prompt_text(prompt)
 
 
 def test_message_text_from_either_content_form():
