@@ -360,8 +360,9 @@ def build(pairs: Pairs) -> gr.Blocks:
             return f"⚠ Could not load `{target}` + `{drafter}`: {e}.{kept}", pairs.describe()
         return f"✔ {pairs.describe()}", pairs.describe()
 
-    names = pairs.catalog.names()
-    suggested = {f"{p.target} ← {p.drafter}: {p.why}": (p.target, p.drafter) for p in pairs.catalog.pairs}
+    names = pairs.allowed  # in Space mode only what the Space serves: offering the rest would only fail on load
+    suggested = {f"{p.target} ← {p.drafter}: {p.why}": (p.target, p.drafter) for p in pairs.catalog.pairs
+                 if p.target in names and p.drafter in names}  # fmt: skip
     loaded = pairs.loaded or pairs.catalog.default
 
     with gr.Blocks(title="usd-chat") as demo:

@@ -10,7 +10,7 @@ import pytest
 
 from app import render
 from app.pairs import Pairs, SpaceModeError
-from app.space import space_mode
+from app.space import SPACE_MODELS_ENV, SpaceModelsError, space_mode
 from app.ui import Cancels, InputError, _text, prompt_text, settings
 from usd.events import Finished, Piece, Round, Stats
 from usd.loading import LoadError
@@ -223,6 +223,79 @@ def test_space_mode_allows_catalog_models_only(catalog, tmp_path):
         local.entry(" ", "drafter")
     with pytest.raises(LoadError, match="no pair is loaded"):
         local.current()
+
+
+BIG = "qwen2.5-32b-instruct"  # about 65 GB on the hub, not gated: a public Space must not fetch it on request
+
+
+def _no_loading(monkeypatch):
+    from usd import api
+
+    def load_pair(*args, **kwargs):
+        raise AssertionError("a refused model must not reach the loader (which would download it)")
+
+    monkeypatch.setattr(api, "load_pair", load_pair)
+
+
+def test_space_serves_only_the_models_its_deployer_lists(catalog, monkeypatch):
+    monkeypatch.setenv(SPACE_MODELS_ENV, " qwen2.5-0.5b-instruct ,gemma-3-270m")
+    _no_loading(monkeypatch)
+    pairs = Pairs(catalog, space_mode=True)
+    default = {catalog.default.target, catalog.default.drafter}  # the pair the Space loads at start
+    assert set(pairs.allowed) == default | {"qwen2.5-0.5b-instruct", "gemma-3-270m"}
+    assert pairs.entry("gemma-3-270m", "drafter").name == "gemma-3-270m"
+    refusal = rf"target '{BIG}' is not served by this Space; it serves only .*qwen2.5-0.5b-instruct"
+    with pytest.raises(SpaceModeError, match=refusal):
+        pairs.entry(BIG, "target")
+    with pytest.raises(SpaceModeError, match=refusal):
+        pairs.load(BIG, "qwen2.5-0.5b-instruct", log=lambda *_: None)
+    assert f"'{BIG}' is not served by this Space" in pairs.preview(BIG, "gemma-3-270m")
+
+
+def test_space_without_a_list_serves_the_models_on_disk(catalog, monkeypatch):
+    import app.space
+
+    monkeypatch.delenv(SPACE_MODELS_ENV, raising=False)
+    monkeypatch.setattr(app.space, "local_path", lambda e: ROOT if e.name == "mistral-7b-instruct-v0.3" else None)
+    _no_loading(monkeypatch)
+    pairs = Pairs(catalog, space_mode=True)
+    assert set(pairs.allowed) == {catalog.default.target, catalog.default.drafter, "mistral-7b-instruct-v0.3"}
+    with pytest.raises(SpaceModeError, match=f"target '{BIG}' is not served by this Space"):
+        pairs.load(BIG, catalog.default.drafter, log=lambda *_: None)
+    assert Pairs(catalog, space_mode=False).allowed == catalog.names()
+
+
+def test_space_list_naming_an_unknown_model_is_a_startup_error(catalog, monkeypatch):
+    monkeypatch.setenv(SPACE_MODELS_ENV, "gemma-3-270m,qwen-99b")
+    with pytest.raises(SpaceModelsError, match=f"{SPACE_MODELS_ENV} names 'qwen-99b', which is not in the catalog"):
+        Pairs(catalog, space_mode=True)
+
+
+def test_the_app_reports_a_bad_space_list_without_a_traceback(monkeypatch, capsys):
+    import app.__main__ as main_mod
+
+    monkeypatch.setenv("USD_CHAT_SPACE", "1")
+    monkeypatch.setenv(SPACE_MODELS_ENV, "qwen-99b")
+    monkeypatch.setattr(main_mod, "launch", lambda *a, **k: pytest.fail("must not launch"))
+    with pytest.raises(SystemExit) as exit_:
+        main_mod.main([])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert f"{SPACE_MODELS_ENV} names 'qwen-99b', which is not in the catalog" in err and "Traceback" not in err
+
+
+def test_space_pair_tab_lists_only_the_served_models(catalog, monkeypatch):
+    import gradio as gr
+
+    from app.ui import build
+
+    monkeypatch.setenv(SPACE_MODELS_ENV, "qwen2.5-0.5b-instruct")
+    pairs = Pairs(catalog, space_mode=True)
+    dropdowns = {b.label: b for b in build(pairs).blocks.values() if isinstance(b, gr.Dropdown)}
+    for label in ("Target", "Drafter"):
+        assert [value for _, value in dropdowns[label].choices] == pairs.allowed
+    suggested = [value.split(":")[0] for _, value in dropdowns["Suggested pairs"].choices]
+    assert suggested == [f"{catalog.default.target} ← {catalog.default.drafter}"]  # the only one of served models
 
 
 def test_launch_defaults_to_localhost_without_share(monkeypatch):
