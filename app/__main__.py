@@ -48,12 +48,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--precision", choices=["nf4", "int8", "bf16", "fp16", "fp32"],
                         help="default: the catalog's choice for the device")
     parser.add_argument("--space", action="store_true", default=None,
-                        help="Space mode: catalog models only, no local paths (also USD_CHAT_SPACE=1)")
+                        help="Space mode: only the catalog models the Space serves (USD_CHAT_SPACE_MODELS), no local "
+                        "paths (also USD_CHAT_SPACE=1)")
     parser.add_argument("--concurrency", type=int, default=1, help="generations running at once (default 1)")
     parser.add_argument("--max-queue", type=int, default=16, help="requests waiting at most; more are turned away")
     args = parser.parse_args(argv)
 
-    demo, _ = create(args.target, args.drafter, args.space, args.device, args.precision)
+    from .space import SpaceModelsError
+
+    try:
+        demo, _ = create(args.target, args.drafter, args.space, args.device, args.precision)
+    except SpaceModelsError as e:  # the deployer's list of served models is wrong: say which name, exit
+        parser.error(str(e))
     launch(demo, args.host, args.port, args.share, args.concurrency, args.max_queue)
     return 0
 

@@ -11,6 +11,8 @@ from usd.catalog import Catalog, ModelEntry
 from usd.loading import GiB, LoadError, entry_for, load_tokenizer, plan_load
 from usd.store import local_path
 
+from .space import space_models
+
 # Text the alpha ceiling is measured on: code and prose, what this app's users paste. TLI can only draft tokens of
 # the shared vocabulary, so where the target's own tokenization of typical text steps outside it, a draft must fail.
 CEILING_SAMPLE = '''def fibonacci(n: int) -> list[int]:
@@ -27,7 +29,7 @@ When the proposals are right, the answer arrives faster; when they are wrong, no
 
 
 class SpaceModeError(LoadError):
-    """Space mode allows catalog models only."""
+    """Space mode allows only the catalog models the Space serves."""
 
 
 @dataclass(frozen=True)
@@ -41,6 +43,8 @@ class Pairs:
                  precision: str | None = None):  # fmt: skip
         self.catalog = catalog
         self.space_mode = space_mode
+        self.allowed = space_models(catalog) if space_mode else catalog.names()
+        """The catalog models offered in the Pair tab; in Space mode also the only ones that load."""
         self.device = device
         self.precision = precision
         self.pair = None
@@ -57,13 +61,17 @@ class Pairs:
         spec = (spec or "").strip()
         if not spec:
             raise LoadError(f"no {role} chosen: pick one from the list")
+        served = ", ".join(self.allowed)
         try:
-            return entry_for(spec, self.catalog, allow_unlisted=not self.space_mode)
+            entry = entry_for(spec, self.catalog, allow_unlisted=not self.space_mode)
         except LoadError as e:
             if self.space_mode:
                 raise SpaceModeError(f"unknown {role} {spec!r}: this Space serves only its catalog models "
-                                     f"({', '.join(self.catalog.names())})") from None  # fmt: skip
+                                     f"({served})") from None  # fmt: skip
             raise LoadError(f"unknown {role}: {e}") from None
+        if self.space_mode and entry.name not in self.allowed:  # refused before anything is fetched
+            raise SpaceModeError(f"{role} {spec!r} is not served by this Space; it serves only {served}")
+        return entry
 
     def preview(self, target: str, drafter: str) -> str:
         """What loading this pair means, before loading it: precision on this device, memory, overlap, ceiling."""

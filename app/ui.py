@@ -5,6 +5,8 @@ It only consumes what `usd` yields: `usd.stream`'s Rounds and Finished, turned i
 
 from __future__ import annotations
 
+import contextlib
+import math
 import queue
 import random
 import threading
@@ -41,21 +43,21 @@ class InputError(ValueError):
 
 
 def settings(algorithm, draft_tokens, temperature, top_p, top_k, seed, max_new_tokens) -> dict:
-    """Check the UI's (or an API caller's) settings; each problem gets a message saying what to change."""
-    algorithm = (algorithm or DEFAULTS["algorithm"]).strip()
+    """Check the UI's (or an API caller's) settings; each problem gets a message saying what to change. API callers
+    can send any text or JSON for any setting, so nothing here may assume a type."""
+    algorithm = DEFAULTS["algorithm"] if algorithm in (None, "") else str(algorithm).strip()
     if algorithm not in ALGORITHM_CHOICES:
         raise InputError(f"unknown algorithm {algorithm!r}: choose one of {', '.join(ALGORITHM_CHOICES)}")
     draft_tokens = DEFAULTS["draft_tokens"] if draft_tokens in (None, "") else str(draft_tokens).strip()
     if draft_tokens != "auto":
-        if not draft_tokens.isdigit() or not 1 <= int(draft_tokens) <= 16:
+        k = _as_int(draft_tokens)
+        if k is None or not 1 <= k <= 16:
             raise InputError(f"draft tokens must be auto or a whole number from 1 to 16, got {draft_tokens!r}")
-        draft_tokens = int(draft_tokens)
-    temperature = DEFAULTS["temperature"] if temperature is None else float(temperature)
-    if not 0 <= temperature <= 5:
-        raise InputError(f"temperature must be between 0 (greedy) and 5, got {temperature}")
-    top_p = DEFAULTS["top_p"] if top_p is None else float(top_p)
-    if not 0 < top_p <= 1:
-        raise InputError(f"top-p must be above 0 and at most 1, got {top_p}")
+        draft_tokens = k
+    temperature = DEFAULTS["temperature"] if temperature is None else _real(
+        temperature, "temperature must be a number from 0 (greedy) to 5", lambda t: 0 <= t <= 5)
+    top_p = DEFAULTS["top_p"] if top_p is None else _real(
+        top_p, "top-p must be a number above 0 and at most 1", lambda p: 0 < p <= 1)
     top_k = _whole(DEFAULTS["top_k"] if top_k is None else top_k, "top-k", 0, 1 << 20)
     seed = None if seed is None or str(seed).strip() == "" else _whole(seed, "seed", 0, (1 << 63) - 1)
     if max_new_tokens in (None, ""):
@@ -66,13 +68,54 @@ def settings(algorithm, draft_tokens, temperature, top_p, top_k, seed, max_new_t
 
 
 def _whole(x, name: str, lo: int, hi: int) -> int:
-    try:
-        f = float(x)
-    except (TypeError, ValueError):
-        raise InputError(f"{name} must be a whole number, got {x!r}") from None
-    if f != int(f) or not lo <= f <= hi:
+    n = _as_int(x)
+    if n is None or not lo <= n <= hi:
         raise InputError(f"{name} must be a whole number from {lo} to {hi:,}, got {x!r}")
-    return int(f)
+    return n
+
+
+def _as_int(x) -> int | None:
+    """`x` as a whole number, or None when it is not one ("inf", "nan", "²", 2.5, text, a list, True).
+    Ints and digit strings convert exactly (a 19-digit seed must not be rounded through a float); whole floats, as
+    the number widgets send (64.0), are fine too."""
+    if isinstance(x, bool):
+        return None
+    if isinstance(x, int):
+        return x
+    if isinstance(x, str):
+        with contextlib.suppress(ValueError):
+            return int(x)
+    f = _float(x)
+    return int(f) if math.isfinite(f) and f.is_integer() else None
+
+
+def _real(x, problem: str, ok) -> float:
+    """`x` as a float that passes `ok`, else InputError(problem, and what was given)."""
+    f = _float(x)
+    if not ok(f):  # NaN fails every comparison: text, "nan" and other types all end up here
+        raise InputError(f"{problem}, got {x!r}")
+    return f
+
+
+def _float(x) -> float:
+    """float(x), or NaN for what is not a number (text, a list, a bool)."""
+    if isinstance(x, bool):
+        return math.nan
+    try:
+        return float(x)
+    except (TypeError, ValueError):
+        return math.nan
+
+
+def prompt_text(prompt) -> str:
+    """The prompt as given to the model: an API caller may send a number or a list, which is not an empty prompt."""
+    if prompt is not None and not isinstance(prompt, str):
+        kind = "a number" if isinstance(prompt, int | float) else f"a {type(prompt).__name__}"
+        raise InputError(f"the prompt must be text, got {kind}")
+    try:
+        return check_prompt(prompt)
+    except ValueError as e:
+        raise InputError(str(e)) from None
 
 
 def _text(content) -> str:
@@ -198,7 +241,7 @@ def build(pairs: Pairs) -> gr.Blocks:
         """The prompt and settings every handler starts from, each problem as a message (InputError, LoadError);
         loads the named pair if one is named, and makes sure some pair is loaded."""
         s = settings(*knobs)
-        prompt = check_prompt(prompt)
+        prompt = prompt_text(prompt)
         ensure_pair(target, drafter)
         pairs.current()
         return prompt, s
@@ -317,8 +360,9 @@ def build(pairs: Pairs) -> gr.Blocks:
             return f"⚠ Could not load `{target}` + `{drafter}`: {e}.{kept}", pairs.describe()
         return f"✔ {pairs.describe()}", pairs.describe()
 
-    names = pairs.catalog.names()
-    suggested = {f"{p.target} ← {p.drafter}: {p.why}": (p.target, p.drafter) for p in pairs.catalog.pairs}
+    names = pairs.allowed  # in Space mode only what the Space serves: offering the rest would only fail on load
+    suggested = {f"{p.target} ← {p.drafter}: {p.why}": (p.target, p.drafter) for p in pairs.catalog.pairs
+                 if p.target in names and p.drafter in names}  # fmt: skip
     loaded = pairs.loaded or pairs.catalog.default
 
     with gr.Blocks(title="usd-chat") as demo:

@@ -83,6 +83,8 @@ def test_compare_reports_identical_greedy_outputs(client):
         ({"prompt": "word " * 40_000}, "context of 32,768 tokens"),
         ({"prompt": "hi", "max_new_tokens": 0}, "max new tokens must be a whole number from 1 to 4,096"),
         ({"prompt": "hi", "max_new_tokens": 100_000}, "max new tokens must be a whole number from 1 to 4,096"),
+        ({"prompt": "hi", "max_new_tokens": "inf"}, "max new tokens must be a whole number from 1 to 4,096, got 'inf'"),
+        ({"prompt": 123}, "the prompt must be text, got a number"),
         ({"prompt": "hi", "target": "no-such-model"}, "unknown target"),
         ({"prompt": "hi", "drafter": "/no/such/dir"}, "unknown drafter"),
         ({"prompt": "hi", "algorithm": "fastest"}, "unknown algorithm"),
@@ -227,7 +229,7 @@ def test_the_space_entry_point_runs_as_a_space_runs_it(tmp_path, real_paths):
 
     port = free_port()
     env = {**os.environ, "USD_CHAT_SPACE": "1", "GRADIO_SERVER_NAME": "127.0.0.1", "GRADIO_SERVER_PORT": str(port),
-           "GRADIO_ANALYTICS_ENABLED": "False"}  # fmt: skip
+           "GRADIO_ANALYTICS_ENABLED": "False", "USD_CHAT_SPACE_MODELS": ""}  # fmt: skip
     log = open(tmp_path / "space.log", "w")  # noqa: SIM115
     proc = subprocess.Popen([sys.executable, "space_app.py"], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
     try:
@@ -242,6 +244,9 @@ def test_the_space_entry_point_runs_as_a_space_runs_it(tmp_path, real_paths):
                 time.sleep(2)
         with pytest.raises(AppError, match="this Space serves only its catalog models"):
             client.predict(prompt="hi", drafter=str(tmp_path), api_name="/generate")
+        # a catalog model the Space does not serve (not listed, not on disk) is refused by name, not downloaded
+        with pytest.raises(AppError, match=r"target 'qwen2\.5-32b-instruct' is not served by this Space"):
+            client.predict(prompt="hi", target="qwen2.5-32b-instruct", api_name="/generate")
         text, pieces, stats = client.predict(prompt="Say hello.", max_new_tokens=4, api_name="/generate")
         assert text and pieces and stats["tokens"] == 4
     finally:

@@ -10,8 +10,8 @@ import pytest
 
 from app import render
 from app.pairs import Pairs, SpaceModeError
-from app.space import space_mode
-from app.ui import Cancels, InputError, _text, settings
+from app.space import SPACE_MODELS_ENV, SpaceModelsError, space_mode
+from app.ui import Cancels, InputError, _text, prompt_text, settings
 from usd.events import Finished, Piece, Round, Stats
 from usd.loading import LoadError
 from usd.theory import expected_speedup
@@ -128,14 +128,30 @@ def test_compare_summary():
         (("fast", "auto", 0, 1, 0, None, 10), "unknown algorithm"),
         (("auto", "17", 0, 1, 0, None, 10), "draft tokens must be auto or a whole number from 1 to 16"),
         (("auto", "0", 0, 1, 0, None, 10), "from 1 to 16"),
-        (("auto", "auto", -1, 1, 0, None, 10), "temperature must be between"),
-        (("auto", "auto", 0, 0, 0, None, 10), "top-p must be above 0"),
+        (("auto", "auto", -1, 1, 0, None, 10), "temperature must be a number from 0 (greedy) to 5, got -1"),
+        (("auto", "auto", 0, 0, 0, None, 10), "top-p must be a number above 0 and at most 1, got 0"),
         (("auto", "auto", 0, 1, -3, None, 10), "top-k must be a whole number"),
         (("auto", "auto", 0, 1, 0, -1, 10), "seed must be a whole number"),
         (("auto", "auto", 0, 1, 0, None, 0), "max new tokens must be a whole number from 1 to 4,096"),
         (("auto", "auto", 0, 1, 0, None, 5000), "max new tokens must be a whole number from 1 to 4,096"),
         (("auto", "auto", 0, 1, 0, None, 2.5), "max new tokens must be a whole number"),
-        (("auto", "auto", 0, 1, 0, None, "many"), "max new tokens must be a whole number, got 'many'"),
+        (("auto", "auto", 0, 1, 0, None, "many"), "max new tokens must be a whole number from 1 to 4,096, got 'many'"),
+        # API callers can send any text or JSON: each gets a message naming the setting and its range
+        (("auto", "auto", 0, 1, 0, None, "inf"), "max new tokens must be a whole number from 1 to 4,096, got 'inf'"),
+        (("auto", "auto", 0, 1, 0, None, float("inf")), "max new tokens must be a whole number from 1 to 4,096"),
+        (("auto", "auto", 0, 1, 0, None, "nan"), "max new tokens must be a whole number from 1 to 4,096, got 'nan'"),
+        (("auto", "auto", 0, 1, 0, None, "1e400"), "max new tokens must be a whole number from 1 to 4,096"),
+        (("auto", "auto", 0, 1, 0, None, [5]), "max new tokens must be a whole number from 1 to 4,096, got [5]"),
+        (("auto", "auto", 0, 1, "inf", None, 10), "top-k must be a whole number from 0 to"),
+        (("auto", "auto", 0, 1, 0, "inf", 10), "seed must be a whole number from 0 to"),
+        (("auto", "auto", 0, 1, 0, "nan", 10), "seed must be a whole number from 0 to"),
+        (("auto", "²", 0, 1, 0, None, 10), "draft tokens must be auto or a whole number from 1 to 16, got '²'"),
+        (("auto", "auto", "abc", 1, 0, None, 10), "temperature must be a number from 0 (greedy) to 5, got 'abc'"),
+        (("auto", "auto", "nan", 1, 0, None, 10), "temperature must be a number from 0 (greedy) to 5, got 'nan'"),
+        (("auto", "auto", {}, 1, 0, None, 10), "temperature must be a number from 0 (greedy) to 5, got {}"),
+        (("auto", "auto", 0, "abc", 0, None, 10), "top-p must be a number above 0 and at most 1, got 'abc'"),
+        (("auto", "auto", 0, "inf", 0, None, 10), "top-p must be a number above 0 and at most 1, got 'inf'"),
+        ((7, "auto", 0, 1, 0, None, 10), "unknown algorithm '7'"),
     ],
 )
 def test_settings_errors_say_what_to_change(args, message):
@@ -148,6 +164,21 @@ def test_settings_accept_what_the_widgets_send():
     assert s == {"algorithm": "slem", "draft_tokens": 4, "temperature": 0.7, "top_p": 0.9, "top_k": 20, "seed": 3,
                  "max_new_tokens": 64}  # fmt: skip
     assert settings(None, None, None, None, None, "", None)["max_new_tokens"] == 256
+
+
+def test_settings_keep_big_seeds_exact():
+    assert settings("auto", "auto", 0, 1, 0, str((1 << 63) - 1), 10)["seed"] == (1 << 63) - 1
+    assert settings("auto", "auto", 0, 1, 0, 12345678901234567, 10)["seed"] == 12345678901234567
+
+
+@pytest.mark.parametrize(
+    ("prompt", "message"),
+    [(123, "the prompt must be text, got a number"), (1.5, "the prompt must be text, got a number"),
+     (["hi"], "the prompt must be text, got a list"), ("  ", "the prompt is empty")],
+)  # fmt: skip
+def test_a_prompt_that_is_not_text_says_so(prompt, message):
+    with pytest.raises(InputError, match=message):
+        prompt_text(prompt)
 
 
 def test_message_text_from_either_content_form():
@@ -192,6 +223,79 @@ def test_space_mode_allows_catalog_models_only(catalog, tmp_path):
         local.entry(" ", "drafter")
     with pytest.raises(LoadError, match="no pair is loaded"):
         local.current()
+
+
+BIG = "qwen2.5-32b-instruct"  # about 65 GB on the hub, not gated: a public Space must not fetch it on request
+
+
+def _no_loading(monkeypatch):
+    from usd import api
+
+    def load_pair(*args, **kwargs):
+        raise AssertionError("a refused model must not reach the loader (which would download it)")
+
+    monkeypatch.setattr(api, "load_pair", load_pair)
+
+
+def test_space_serves_only_the_models_its_deployer_lists(catalog, monkeypatch):
+    monkeypatch.setenv(SPACE_MODELS_ENV, " qwen2.5-0.5b-instruct ,gemma-3-270m")
+    _no_loading(monkeypatch)
+    pairs = Pairs(catalog, space_mode=True)
+    default = {catalog.default.target, catalog.default.drafter}  # the pair the Space loads at start
+    assert set(pairs.allowed) == default | {"qwen2.5-0.5b-instruct", "gemma-3-270m"}
+    assert pairs.entry("gemma-3-270m", "drafter").name == "gemma-3-270m"
+    refusal = rf"target '{BIG}' is not served by this Space; it serves only .*qwen2.5-0.5b-instruct"
+    with pytest.raises(SpaceModeError, match=refusal):
+        pairs.entry(BIG, "target")
+    with pytest.raises(SpaceModeError, match=refusal):
+        pairs.load(BIG, "qwen2.5-0.5b-instruct", log=lambda *_: None)
+    assert f"'{BIG}' is not served by this Space" in pairs.preview(BIG, "gemma-3-270m")
+
+
+def test_space_without_a_list_serves_the_models_on_disk(catalog, monkeypatch):
+    import app.space
+
+    monkeypatch.delenv(SPACE_MODELS_ENV, raising=False)
+    monkeypatch.setattr(app.space, "local_path", lambda e: ROOT if e.name == "mistral-7b-instruct-v0.3" else None)
+    _no_loading(monkeypatch)
+    pairs = Pairs(catalog, space_mode=True)
+    assert set(pairs.allowed) == {catalog.default.target, catalog.default.drafter, "mistral-7b-instruct-v0.3"}
+    with pytest.raises(SpaceModeError, match=f"target '{BIG}' is not served by this Space"):
+        pairs.load(BIG, catalog.default.drafter, log=lambda *_: None)
+    assert Pairs(catalog, space_mode=False).allowed == catalog.names()
+
+
+def test_space_list_naming_an_unknown_model_is_a_startup_error(catalog, monkeypatch):
+    monkeypatch.setenv(SPACE_MODELS_ENV, "gemma-3-270m,qwen-99b")
+    with pytest.raises(SpaceModelsError, match=f"{SPACE_MODELS_ENV} names 'qwen-99b', which is not in the catalog"):
+        Pairs(catalog, space_mode=True)
+
+
+def test_the_app_reports_a_bad_space_list_without_a_traceback(monkeypatch, capsys):
+    import app.__main__ as main_mod
+
+    monkeypatch.setenv("USD_CHAT_SPACE", "1")
+    monkeypatch.setenv(SPACE_MODELS_ENV, "qwen-99b")
+    monkeypatch.setattr(main_mod, "launch", lambda *a, **k: pytest.fail("must not launch"))
+    with pytest.raises(SystemExit) as exit_:
+        main_mod.main([])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert f"{SPACE_MODELS_ENV} names 'qwen-99b', which is not in the catalog" in err and "Traceback" not in err
+
+
+def test_space_pair_tab_lists_only_the_served_models(catalog, monkeypatch):
+    import gradio as gr
+
+    from app.ui import build
+
+    monkeypatch.setenv(SPACE_MODELS_ENV, "qwen2.5-0.5b-instruct")
+    pairs = Pairs(catalog, space_mode=True)
+    dropdowns = {b.label: b for b in build(pairs).blocks.values() if isinstance(b, gr.Dropdown)}
+    for label in ("Target", "Drafter"):
+        assert [value for _, value in dropdowns[label].choices] == pairs.allowed
+    suggested = [value.split(":")[0] for _, value in dropdowns["Suggested pairs"].choices]
+    assert suggested == [f"{catalog.default.target} ← {catalog.default.drafter}"]  # the only one of served models
 
 
 def test_launch_defaults_to_localhost_without_share(monkeypatch):

