@@ -198,12 +198,15 @@ def answer_text(live: Live) -> str:
 COMPARE_ORDER = "one after the other: plain decoding first, then speculative, so neither slows the other"
 
 
-def compare_summary(plain: Finished, speculative: Finished, greedy: bool) -> dict:
-    """Both times, the speedup, tokens/s, and whether the answers are token-identical (a must when greedy)."""
-    a, b = plain.target_ids, speculative.target_ids
+def first_difference(a, b) -> int | None:
     first = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), None)
-    if first is None and len(a) != len(b):
-        first = min(len(a), len(b))
+    return min(len(a), len(b)) if first is None and len(a) != len(b) else first
+
+
+def compare_summary(plain: Finished, speculative: Finished, greedy: bool, divergence=None) -> dict:
+    """Both times, the speedup, tokens/s, and whether the answers are token-identical (a must when greedy). With
+    `divergence` (usd.numerics.Divergence at the first difference), whether that was a near-tie."""
+    first = first_difference(plain.target_ids, speculative.target_ids)
     ps, ss = plain.stats.wall_s, speculative.stats.wall_s
     return {
         "identical": first is None,
@@ -218,6 +221,9 @@ def compare_summary(plain: Finished, speculative: Finished, greedy: bool) -> dic
         "tokens_per_round": speculative.stats.tokens_per_round,
         "algorithm": speculative.stats.algorithm,
         "order": COMPARE_ORDER,
+        "near_tie": divergence.near_tie if divergence else None,
+        "logit_gap": divergence.gap if divergence else None,
+        "difference_explained": divergence.explain() if divergence else None,
     }
 
 
@@ -228,8 +234,13 @@ def summary_html(s: dict) -> str:
         same = "✔ token-identical outputs" + (" (greedy: they must be)" if s["greedy"] else "")
         cls = "same"
     elif s["greedy"]:
-        same = f"✘ outputs differ from token {s['first_difference']}: greedy outputs must be identical"
-        cls = "differ"
+        same = f"✘ outputs differ from token {s['first_difference']}"
+        if s.get("difference_explained"):
+            same += f": {s['difference_explained']}"
+            cls = "differ-ok" if s["near_tie"] else "differ"
+        else:
+            same += ": greedy outputs must be identical"
+            cls = "differ"
     else:
         same = (f"outputs differ from token {s['first_difference']}: expected when sampling with an algorithm whose "
                 "draws depend on where rounds are cut (tli, standard); both follow the target's distribution")

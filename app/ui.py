@@ -277,6 +277,13 @@ def build(pairs: Pairs) -> gr.Blocks:
 
     # --- compare ---------------------------------------------------------------------------------------------------
 
+    def _divergence(prompt, plain, spec, greedy: bool):
+        """At a greedy difference, ask the target whether its two best tokens were a near-tie there (rounding)."""
+        first = render.first_difference(plain.finished.target_ids, spec.finished.target_ids)
+        if not greedy or first is None:
+            return None
+        return api.divergence(pairs.current(), plain.finished.target_ids, first, prompt, chat_mode=True)
+
     def compare_stream(prompt, s) -> Iterator[tuple]:
         """Plain decoding, then speculative, same prompt and seed; yields (plain, speculative, summary) states."""
         if s["temperature"] > 0 and s["seed"] is None:
@@ -286,7 +293,9 @@ def build(pairs: Pairs) -> gr.Blocks:
             yield plain, None, None
         for spec in run(prompt, chat_mode=True, **s):
             yield plain, spec, None
-        summary = render.compare_summary(plain.finished, spec.finished, greedy=s["temperature"] == 0)
+        greedy = s["temperature"] == 0
+        divergence = _divergence(prompt, plain, spec, greedy)
+        summary = render.compare_summary(plain.finished, spec.finished, greedy, divergence)
         yield plain, spec, summary
 
     def column(live: render.Live | None, label: str) -> tuple[str, str]:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterator
 
-from . import chat, decoder
+from . import chat, decoder, numerics
 from .catalog import Catalog, load_catalog
 from .events import Finished, Round
 from .loading import entry_for, load_model
@@ -101,3 +101,13 @@ def generate(pair: Pair, prompt: str | None = None, **kwargs) -> Finished:
     for event in stream(pair, prompt, **kwargs):
         done = event
     return done
+
+
+def divergence(pair: Pair, answer_ids, position: int, prompt: str | None = None, *, messages: list[dict] | None = None,
+               chat_mode: bool = False) -> numerics.Divergence:  # fmt: skip
+    """Where two greedy answers to one prompt first differ at `position`: was it a near-tie of the target's two best
+    tokens (rounding can swap them) or a real difference? `answer_ids` is either answer; the prompt as for `stream`."""
+    if messages is None and chat_mode:
+        messages = [{"role": "user", "content": chat.check_prompt(prompt)}]
+    t_ids, _ = chat.prompt_ids(pair, prompt, messages)
+    return numerics.divergence(pair, t_ids, list(answer_ids), position)

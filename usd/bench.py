@@ -145,6 +145,9 @@ def summarize(runs: list[Run], plan: list[tuple], greedy: bool) -> list[dict]:
             "overhead_share": max(0.0, 1 - forward / wall) if ours and wall else None,
             "identical_to_none": (all(r.target_ids == plain[r.prompt] for r in rs) if plain else None)
             if greedy else None,
+            # the rate, not just all-or-none: in bf16 or 4-bit, rounding can swap near-tied tokens (usd.numerics)
+            "identical_rate": (sum(r.target_ids == plain[r.prompt] for r in rs) / len(rs) if plain and rs else None)
+            if greedy else None,
             "tokens": tokens,
         })  # fmt: skip
     return rows
@@ -207,10 +210,15 @@ def _fmt(x, spec=".2f"):
     return format(x, spec)
 
 
-def table(summary: list[dict]) -> str:
-    """The summary as a Markdown table."""
+def _identity(row: dict) -> str:
+    rate = row.get("identical_rate")
+    return "-" if rate is None else ("yes" if rate == 1 else f"NO: {rate:.0%}")
+
+
+def table(summary: list[dict], dtype: str | None = None) -> str:
+    """The summary as a Markdown table; `dtype`, the precision the target ran in, heads the identity column."""
     head = ["algorithm", "wall s", "tok/s", "vs none", "vs hf", "alpha", "tau", "mean k", "c", "v", "overhead",
-            "identical"]  # fmt: skip
+            f"identical ({dtype})" if dtype else "identical"]  # fmt: skip
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in summary:
         cells = [label(r["algorithm"], r["k"]), _fmt(r["wall_s"], ".1f"), _fmt(r["tokens_per_s"], ".1f"),
@@ -218,7 +226,7 @@ def table(summary: list[dict]) -> str:
                  _fmt(r["speedup_vs_hf"]) + ("x" if r["speedup_vs_hf"] else ""), _fmt(r["acceptance_rate"]),
                  _fmt(r["tokens_per_round"]), _fmt(r["mean_k"], ".1f"), _fmt(r["c"]), _fmt(r["v"]),
                  _fmt(r["overhead_share"] * 100 if r["overhead_share"] is not None else None, ".1f")
-                 + ("%" if r["overhead_share"] is not None else ""), _fmt(r["identical_to_none"])]  # fmt: skip
+                 + ("%" if r["overhead_share"] is not None else ""), _identity(r)]  # fmt: skip
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -291,7 +299,8 @@ def run_cli(args, catalog=None) -> int:
         pair = load_pair(target, drafter, catalog=catalog, device=args.device, precision=args.precision, log=log)
         result = bench(pair, prompts, algorithms, k, params, args.max_new_tokens, log=log)
         result["settings"]["dataset"] = args.dataset
-        print(f"\n{pair.target_name} + {pair.drafter_name}, {args.dataset}:\n{table(result['summary'])}")
+        summary = table(result["summary"], result["machine"]["dtype"])
+        print(f"\n{pair.target_name} + {pair.drafter_name}, {args.dataset}:\n{summary}")
         if args.plot:
             out = args.plot if not args.pairs else pair_plot_path(args.plot, result)
             from .plots import plot
