@@ -86,6 +86,28 @@ def _write_manifest(directory: Path, entry_name: str, source_key: str) -> None:
     (directory / MANIFEST).write_text(json.dumps(manifest, indent=1))
 
 
+_FILE_FIELDS = {"sha256": str, "size": int, "mtime_ns": int}
+
+
+def _read_manifest(mf: Path) -> dict | None:
+    """The manifest as _write_manifest wrote it, or None when it is unreadable or of another shape.
+
+    A hand-edited or truncated manifest (`[]`, no `files`) must read as "no valid copy", so that pull repairs it
+    instead of every command crashing on it.
+    """
+    try:
+        manifest = json.loads(mf.read_text())
+    except (OSError, ValueError):
+        return None
+    files = manifest.get("files") if isinstance(manifest, dict) else None
+    if not isinstance(files, dict):
+        return None
+    for want in files.values():
+        if not isinstance(want, dict) or not all(isinstance(want.get(k), t) for k, t in _FILE_FIELDS.items()):
+            return None
+    return manifest
+
+
 def verify_dir(directory: Path, source_key: str | None = None, full: bool = False) -> str | None:
     """Check a converted directory against its manifest. Returns None when good, else what is wrong.
 
@@ -95,10 +117,9 @@ def verify_dir(directory: Path, source_key: str | None = None, full: bool = Fals
     mf = directory / MANIFEST
     if not mf.is_file():
         return "not downloaded yet" if not directory.exists() else f"{directory} has no {MANIFEST} (incomplete)"
-    try:
-        manifest = json.loads(mf.read_text())
-    except ValueError:
-        return f"{mf} is unreadable"
+    manifest = _read_manifest(mf)
+    if manifest is None:
+        return f"{mf} is unreadable or malformed"
     if source_key is not None and manifest.get("source") != source_key:
         return "the catalog entry's source changed since this copy was made"
     refreshed = False
