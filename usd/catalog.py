@@ -170,14 +170,47 @@ def builtin_catalog_path() -> Path:
 
 def _read_yaml(path: Path) -> dict:
     try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+        text = path.read_text(encoding="utf-8")
+        data = yaml.safe_load(text)
     except FileNotFoundError:
         raise CatalogError(f"{path}: file not found") from None
     except yaml.YAMLError as e:
         raise CatalogError(f"{path}: not valid YAML: {e}") from None
     if not isinstance(data, dict):
         raise CatalogError(f"{path}: expected a mapping with keys 'default', 'models', 'pairs'")
+    _reject_duplicate_names(path, text, data.get("models"))
     return data
+
+
+def _reject_duplicate_names(path: Path, text: str, models: object) -> None:
+    """Two entries of one name in one file: when merged, the later would silently win, so say where both are.
+
+    (A user's entry replacing a built-in one of the same name is a different thing, and allowed.)
+    """
+    if not isinstance(models, list):
+        return  # the schema check reports it
+    first: dict[str, int] = {}
+    for idx, m in enumerate(models):
+        name = m.get("name") if isinstance(m, dict) else None
+        if not isinstance(name, str):
+            continue
+        if name in first:
+            lines = _entry_lines(text)
+            raise CatalogError(
+                f"{path}: model name {name!r} appears twice (lines {lines[first[name]]} and {lines[idx]}); "
+                "names must be unique in one file: rename or delete one of them"
+            )
+        first[name] = idx
+
+
+def _entry_lines(text: str) -> list[int]:
+    """The line (1-based) where each entry under `models:` starts. safe_load drops positions; the node tree keeps
+    them, and composing builds no Python objects, so this is as safe as safe_load."""
+    root = yaml.compose(text, Loader=yaml.SafeLoader)
+    for key, value in root.value:
+        if key.value == "models" and isinstance(value, yaml.SequenceNode):
+            return [item.start_mark.line + 1 for item in value.value]
+    return []
 
 
 def _describe(data: dict, err: dict) -> str:
