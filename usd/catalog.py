@@ -7,6 +7,7 @@ Errors name the file, the entry and the field, because a user editing their own 
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 from typing import Annotated, Literal
 
@@ -31,6 +32,17 @@ class _Strict(BaseModel):
 class Package(_Strict):
     name: str
     version: str
+
+    # Both end up on pip's command line: a "name" such as `--index-url=...` would be read as an option.
+    @field_validator("name")
+    @classmethod
+    def _name(cls, v: str) -> str:
+        return check_package_name(v)
+
+    @field_validator("version")
+    @classmethod
+    def _version(cls, v: str) -> str:
+        return check_package_version(v)
 
 
 class PypiSource(_Strict):
@@ -156,6 +168,28 @@ def _check_sha256(v: str) -> str:
     v = v.strip().lower()
     if len(v) != 64 or any(c not in "0123456789abcdef" for c in v):
         raise ValueError(f"not a sha256 (64 hex digits): {v!r}")
+    return v
+
+
+_PACKAGE_NAME = re.compile(r"[A-Z0-9]|[A-Z0-9][A-Z0-9._-]*[A-Z0-9]", re.IGNORECASE)  # PEP 508
+
+
+def check_package_name(v: str) -> str:
+    if not _PACKAGE_NAME.fullmatch(v):  # not match() with ^...$: its $ lets a trailing newline through
+        raise ValueError(f"not a package name (letters, digits and . _ -, alphanumeric at both ends): {v!r}")
+    return v
+
+
+def check_package_version(v: str) -> str:
+    """An exact PEP 440 version (`1.0.3`), as the registry knows it: no ranges, no markers, no surrounding spaces."""
+    from packaging.version import InvalidVersion, Version  # a dependency of transformers
+
+    try:
+        if v != v.strip():  # Version() itself accepts them, pip's command line should not get them
+            raise InvalidVersion(v)
+        Version(v)
+    except InvalidVersion:
+        raise ValueError(f"not a version number (PEP 440, e.g. 1.0.3): {v!r}") from None
     return v
 
 

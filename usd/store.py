@@ -26,7 +26,7 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
-from .catalog import HubSource, ModelEntry, PathSource, PypiSource
+from .catalog import HubSource, ModelEntry, PathSource, PypiSource, check_package_name, check_package_version
 
 CACHE_ENV = "USD_CHAT_CACHE"
 MANIFEST = "usd-manifest.json"
@@ -175,10 +175,25 @@ def _source_key(entry: ModelEntry) -> str:
     return hashlib.sha256(entry.source.model_dump_json().encode()).hexdigest()[:16]
 
 
+def _check_spec(spec: str) -> None:
+    """`spec` must be NAME==VERSION in the registry's grammar: it goes to pip's command line, where a catalog's
+    `--index-url=...` would otherwise be read as an option."""
+    name, _, version = spec.partition("==")
+    try:
+        check_package_name(name)
+        check_package_version(version)
+    except ValueError as e:
+        raise StoreError(f"refusing to pass {spec!r} to pip: not a package name and version (NAME==VERSION): {e}. "
+                         "Fix the catalog entry.") from None  # fmt: skip
+
+
 def _pip_download(packages: list[str], dest: Path) -> None:
+    for spec in packages:
+        _check_spec(spec)
     for spec in tqdm(packages, desc="downloading wheels", unit="pkg", disable=len(packages) < 2):
+        # `--` ends pip's options: whatever the spec is, pip reads it as a requirement
         cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--quiet",
-               "--disable-pip-version-check", "-d", str(dest), spec]  # fmt: skip
+               "--disable-pip-version-check", "-d", str(dest), "--", spec]  # fmt: skip
         proc = subprocess.run(cmd, capture_output=True, text=True)
         if proc.returncode != 0:
             lines = [ln for ln in proc.stderr.splitlines() if ln.strip() and not ln.startswith("WARNING: Location")]
