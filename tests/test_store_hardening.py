@@ -4,6 +4,7 @@ weight file whose size and mtime still match, interrupted pulls, package names t
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 
@@ -74,3 +75,79 @@ def test_pip_download_puts_specs_after_double_dash(tmp_path, monkeypatch):
     monkeypatch.setattr(store.subprocess, "run", fake_run)
     store._pip_download(["llm-tiny==1.0"], tmp_path)
     assert ran[0][-2:] == ["--", "llm-tiny==1.0"]
+
+
+# --- a weight file changed in place, size and mtime kept -------------------------------------------------------------
+
+
+def _tiny_tokenizer():
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {w: i for i, w in enumerate(["<unk>", "</s>", "hello", "world", *(f"w{i}" for i in range(60))])}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", eos_token="</s>")
+
+
+@pytest.fixture()
+def converted_tiny(cache):
+    """A tiny random Llama laid out in the cache as a pull leaves a converted model: weights, tokenizer, manifest."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    entry = _pypi_entry()
+    d = store.model_dir(entry)
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                      num_key_value_heads=1, max_position_embeddings=64, eos_token_id=1, bos_token_id=None)  # fmt: skip
+    LlamaForCausalLM(cfg).save_pretrained(d)
+    _tiny_tokenizer().save_pretrained(d)
+    store._write_manifest(d, entry.name, store._source_key(entry))
+    return entry, d
+
+
+def _flip_block_keeping_stamp(path, length: int = 1024) -> None:
+    """XOR a block in the middle of the file: size unchanged, mtime put back, as a bad disk block would leave it."""
+    st = path.stat()
+    with open(path, "r+b") as f:
+        f.seek(st.st_size // 2)
+        block = f.read(length)
+        f.seek(st.st_size // 2)
+        f.write(bytes(b ^ 0xFF for b in block))
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert store._stamp(path) == {"size": st.st_size, "mtime_ns": st.st_mtime_ns}
+
+
+def test_intact_converted_model_loads(converted_tiny):
+    from usd.loading import load_model
+
+    entry, d = converted_tiny
+    lm = load_model(entry, device="cpu", precision="fp32", log=lambda m: None)
+    assert lm.path == d and lm.tokenizer("hello world")["input_ids"] == [2, 3]
+
+
+def test_weights_corrupted_in_place_are_caught_on_load(converted_tiny):
+    from usd.loading import LoadError, load_model
+
+    entry, d = converted_tiny
+    _flip_block_keeping_stamp(d / "model.safetensors")
+    assert store.verify_dir(d) is None  # the cheap check of pull trusts the stamp: this is what load must catch
+    with pytest.raises(LoadError) as e:
+        load_model(entry, device="cpu", precision="fp32", log=lambda m: None)
+    msg = str(e.value)
+    assert "model.safetensors" in msg and "corrupted" in msg and "usd pull --verify tiny" in msg
+    assert "Traceback" not in msg
+
+
+def test_a_corrupted_header_is_named_instead_of_the_loaders_error(converted_tiny):
+    from usd.loading import LoadError, load_model
+
+    entry, d = converted_tiny
+    weights = d / "model.safetensors"
+    st = weights.stat()
+    with open(weights, "r+b") as f:
+        f.write(b"\xff" * 16)  # the header length and the start of the JSON header: safetensors cannot parse it
+    os.utime(weights, ns=(st.st_atime_ns, st.st_mtime_ns))
+    with pytest.raises(LoadError, match=r"model\.safetensors does not match its sha256.*usd pull --verify tiny"):
+        load_model(entry, device="cpu", precision="fp32", log=lambda m: None)

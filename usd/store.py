@@ -19,6 +19,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import zipfile
 from collections.abc import Iterator
@@ -128,18 +129,58 @@ def verify_dir(directory: Path, source_key: str | None = None, full: bool = Fals
         if not p.is_file():
             return f"{rel} is missing"
         stamp = _stamp(p)
-        if not full and stamp == {"size": want["size"], "mtime_ns": want["mtime_ns"]}:
+        stamped = stamp == {"size": want["size"], "mtime_ns": want["mtime_ns"]}
+        if stamped and not full:
             continue
         if stamp["size"] != want["size"]:
             return f"{rel} has {stamp['size']} bytes, expected {want['size']}"
         if sha256_file(p) != want["sha256"]:
             return f"{rel} does not match its sha256 (corrupted)"
-        want.update(stamp)
-        refreshed = True
+        if not stamped:
+            want.update(stamp)
+            refreshed = True
     if refreshed:  # the bytes are right but the file was touched: remember the new stamp to skip hashing next time
         with contextlib.suppress(OSError):
             mf.write_text(json.dumps(manifest, indent=1))
     return None
+
+
+@contextlib.contextmanager
+def verifying(directory: Path, name: str) -> Iterator[None]:
+    """Hash `directory` against its manifest in a background thread while the body runs (the weights load), then
+    raise StoreError naming the file that changed.
+
+    pull trusts a file whose size and mtime match the manifest, but a change in place (a bad disk block, a tool that
+    puts mtimes back) keeps both, and the weights would load as garbage that generates nonsense without an error. So
+    the bytes are hashed where they are used; hashlib releases the GIL, so this runs alongside the load. A directory
+    without a manifest (a hub snapshot, a local model directory) is not the store's to check.
+    """
+    if not (directory / MANIFEST).is_file():
+        yield
+        return
+    problems: list[str | None] = []
+
+    def check() -> None:
+        try:
+            problems.append(verify_dir(directory, full=True))
+        except OSError as e:  # a bad disk block can fail the read itself
+            problems.append(f"a file cannot be read ({e})")
+
+    # daemon: an interrupted load (Ctrl-C) must not wait for the hash to finish
+    thread = threading.Thread(target=check, name=f"usd-verify-{name}", daemon=True)
+    thread.start()
+    try:
+        yield
+    except Exception:
+        _raise_if_changed(thread, problems, directory, name)  # a corrupted file explains a failed load best
+        raise
+    _raise_if_changed(thread, problems, directory, name)
+
+
+def _raise_if_changed(thread: threading.Thread, problems: list[str | None], directory: Path, name: str) -> None:
+    thread.join()
+    if problems and problems[0] is not None:
+        raise StoreError(f"{problems[0]} in {directory}. Run `usd pull --verify {name}` to fetch it again.")
 
 
 @contextlib.contextmanager
