@@ -154,3 +154,49 @@ def test_user_file_error_names_user_file_and_entry(tmp_path):
 def test_unknown_model_lookup_is_clear():
     with pytest.raises(KeyError, match="usd models"):
         load_catalog().get("gpt-5")
+
+
+def test_user_file_duplicate_names_are_rejected_with_both_lines(tmp_path):
+    entry = ("  - name: {name}\n    family: llama3\n    roles: [drafter]\n    source: {{kind: path, path: /x}}\n"
+             "    context_length: 8\n    license: mit\n    chat_template: false\n")  # fmt: skip
+    f = tmp_path / "mine.yaml"
+    f.write_text("models:\n" + entry.format(name="mine") + entry.format(name="other") + entry.format(name="mine"))
+    with pytest.raises(CatalogError) as e:
+        load_catalog(user_path=f)
+    msg = str(e.value)
+    assert str(f) in msg and "'mine'" in msg and "lines 2 and 16" in msg
+
+
+def test_user_file_may_replace_a_builtin_entry_by_name(tmp_path):
+    f = tmp_path / "mine.yaml"
+    f.write_text(yaml.safe_dump({"models": [{"name": "smollm2-135m-instruct", "family": "mine", "roles": ["drafter"],
+                                              "source": {"kind": "path", "path": "/x"}, "context_length": 8,
+                                              "license": "mit", "chat_template": False}]}))  # fmt: skip
+    cat = load_catalog(user_path=f)
+    assert cat.get("smollm2-135m-instruct").family == "mine"
+    assert cat.names().count("smollm2-135m-instruct") == 1
+
+
+def test_builtin_duplicate_names_give_both_lines(tmp_path):
+    text = builtin_catalog_path().read_text()
+    f = tmp_path / "models.yaml"
+    f.write_text(text.replace("name: gemma-3-270m\n", "name: smollm2-135m-instruct\n", 1))
+    with pytest.raises(CatalogError, match=r"'smollm2-135m-instruct' appears twice.*lines \d+ and \d+"):
+        load_catalog(f)
+
+
+BAD_PACKAGES = [("name", "--index-url=http://evil.example/simple"), ("name", "-e"), ("name", "pkg ; rm -rf"),
+                ("name", "pkg-"), ("name", ""), ("name", "pkg\n"), ("version", "1.0 --pre"), ("version", "--no-deps"),
+                ("version", "latest"), ("version", ">=1.0"), ("version", "1.0\n")]  # fmt: skip
+
+
+@pytest.mark.parametrize(("field", "value"), BAD_PACKAGES)
+def test_package_name_and_version_follow_the_registry_grammar(raw, field, value):
+    raw["models"][0]["source"]["packages"][0][field] = value
+    msg = _error(raw)
+    assert "smollm2-135m-instruct" in msg and f"source.packages.0.{field}" in msg
+
+
+def test_valid_package_names_and_versions_pass(raw):
+    raw["models"][0]["source"]["packages"][0].update(name="A.b_c-9", version="1.0.post2.dev3+local.1")
+    parse_catalog(raw, "test.yaml")

@@ -7,6 +7,7 @@ Errors name the file, the entry and the field, because a user editing their own 
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 from typing import Annotated, Literal
 
@@ -31,6 +32,17 @@ class _Strict(BaseModel):
 class Package(_Strict):
     name: str
     version: str
+
+    # Both end up on pip's command line: a "name" such as `--index-url=...` would be read as an option.
+    @field_validator("name")
+    @classmethod
+    def _name(cls, v: str) -> str:
+        return check_package_name(v)
+
+    @field_validator("version")
+    @classmethod
+    def _version(cls, v: str) -> str:
+        return check_package_version(v)
 
 
 class PypiSource(_Strict):
@@ -159,6 +171,28 @@ def _check_sha256(v: str) -> str:
     return v
 
 
+_PACKAGE_NAME = re.compile(r"[A-Z0-9]|[A-Z0-9][A-Z0-9._-]*[A-Z0-9]", re.IGNORECASE)  # PEP 508
+
+
+def check_package_name(v: str) -> str:
+    if not _PACKAGE_NAME.fullmatch(v):  # not match() with ^...$: its $ lets a trailing newline through
+        raise ValueError(f"not a package name (letters, digits and . _ -, alphanumeric at both ends): {v!r}")
+    return v
+
+
+def check_package_version(v: str) -> str:
+    """An exact PEP 440 version (`1.0.3`), as the registry knows it: no ranges, no markers, no surrounding spaces."""
+    from packaging.version import InvalidVersion, Version  # a dependency of transformers
+
+    try:
+        if v != v.strip():  # Version() itself accepts them, pip's command line should not get them
+            raise InvalidVersion(v)
+        Version(v)
+    except InvalidVersion:
+        raise ValueError(f"not a version number (PEP 440, e.g. 1.0.3): {v!r}") from None
+    return v
+
+
 def builtin_catalog_path() -> Path:
     """models.yaml ships inside the wheel as usd/models.yaml; in a source checkout it sits at the repository root."""
     here = Path(__file__).resolve().parent
@@ -170,14 +204,47 @@ def builtin_catalog_path() -> Path:
 
 def _read_yaml(path: Path) -> dict:
     try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+        text = path.read_text(encoding="utf-8")
+        data = yaml.safe_load(text)
     except FileNotFoundError:
         raise CatalogError(f"{path}: file not found") from None
     except yaml.YAMLError as e:
         raise CatalogError(f"{path}: not valid YAML: {e}") from None
     if not isinstance(data, dict):
         raise CatalogError(f"{path}: expected a mapping with keys 'default', 'models', 'pairs'")
+    _reject_duplicate_names(path, text, data.get("models"))
     return data
+
+
+def _reject_duplicate_names(path: Path, text: str, models: object) -> None:
+    """Two entries of one name in one file: when merged, the later would silently win, so say where both are.
+
+    (A user's entry replacing a built-in one of the same name is a different thing, and allowed.)
+    """
+    if not isinstance(models, list):
+        return  # the schema check reports it
+    first: dict[str, int] = {}
+    for idx, m in enumerate(models):
+        name = m.get("name") if isinstance(m, dict) else None
+        if not isinstance(name, str):
+            continue
+        if name in first:
+            lines = _entry_lines(text)
+            raise CatalogError(
+                f"{path}: model name {name!r} appears twice (lines {lines[first[name]]} and {lines[idx]}); "
+                "names must be unique in one file: rename or delete one of them"
+            )
+        first[name] = idx
+
+
+def _entry_lines(text: str) -> list[int]:
+    """The line (1-based) where each entry under `models:` starts. safe_load drops positions; the node tree keeps
+    them, and composing builds no Python objects, so this is as safe as safe_load."""
+    root = yaml.compose(text, Loader=yaml.SafeLoader)
+    for key, value in root.value:
+        if key.value == "models" and isinstance(value, yaml.SequenceNode):
+            return [item.start_mark.line + 1 for item in value.value]
+    return []
 
 
 def _describe(data: dict, err: dict) -> str:

@@ -251,6 +251,9 @@ def main(argv: list[str] | None = None) -> int:
     except (CatalogError, StoreError, LoadError, ValueError) as e:
         print(f"usd {args.command}: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C: one line, not a traceback; what was half-done has been cleaned up by now
+        print(f"usd {args.command}: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

@@ -275,6 +275,8 @@ def load_model(
     """Fetch if needed, check memory, and load (model, tokenizer) ready for inference."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    from .store import verifying
+
     entry = spec if isinstance(spec, ModelEntry) else entry_for(spec, catalog)
     device = device or default_device()
     if local_path(entry) is None:
@@ -296,7 +298,11 @@ def load_model(
         quant = bnb_config(plan.precision)
         if quant is not None:
             kwargs["quantization_config"] = quant
-    model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
+    try:
+        with verifying(path, entry.name):  # pull only compared sizes and mtimes; the bytes are hashed as they load
+            model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
+    except StoreError as e:
+        raise LoadError(f"{entry.name}: {e}") from None
     model.eval()
     tokenizer = load_tokenizer(entry, path)
     return LoadedModel(entry.name, model, tokenizer, plan, path, entry)

