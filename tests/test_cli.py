@@ -53,3 +53,59 @@ def test_broken_user_catalog_is_reported(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "usd", "--catalog", str(f), "models"], capture_output=True, text=True)
     assert proc.returncode == 2
     assert str(f) in proc.stderr and "entry models[0] ('x')" in proc.stderr and "Traceback" not in proc.stderr
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# `usd generate` with a local model directory that cannot be loaded: which directory, which file, what to do
+
+
+def _tiny_llama_config(d, **extra):
+    config = {"model_type": "llama", "vocab_size": 64, "hidden_size": 16, "intermediate_size": 32,
+              "num_hidden_layers": 1, "num_attention_heads": 2, **extra}  # fmt: skip
+    (d / "config.json").write_text(json.dumps(config))
+
+
+def _generate_err(capsys, target, *extra) -> str:
+    assert main(["generate", "--target", str(target), "--algorithm", "none", "--prompt", "hi", *extra]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    return captured.err
+
+
+@pytest.mark.parametrize("extra", [[], ["--json"]])
+def test_local_dir_without_config_says_what_a_model_directory_needs(tmp_path, capsys, extra):
+    err = _generate_err(capsys, tmp_path, *extra)
+    assert f"{tmp_path} has no config.json" in err and "give a directory with config.json" in err
+
+
+@pytest.mark.parametrize("extra", [[], ["--json"]])
+def test_local_dir_with_broken_config_names_the_file_and_line(tmp_path, capsys, extra):
+    (tmp_path / "config.json").write_text('{"model_type": "llama",\n}')
+    err = _generate_err(capsys, tmp_path, *extra)
+    assert f"{tmp_path / 'config.json'} is not valid JSON: line 2 column 1: " in err
+
+
+@pytest.mark.parametrize("extra", [[], ["--json"]])
+def test_local_dir_without_weights_says_so_before_loading(tmp_path, capsys, extra):
+    _tiny_llama_config(tmp_path)
+    err = _generate_err(capsys, tmp_path, *extra)
+    assert f"{tmp_path} has config.json but no weights (*.safetensors / pytorch_model*.bin)" in err
+
+
+def test_local_dir_without_tokenizer_names_the_directory(tmp_path, capsys):
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    _tiny_llama_config(tmp_path)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(tmp_path)).save_pretrained(tmp_path)
+    err = _generate_err(capsys, tmp_path, "--device", "cpu", "--precision", "fp32")
+    assert f"{tmp_path} has no usable tokenizer" in err and "tokenizer.json" in err
+
+
+def test_broken_local_dir_is_reported_without_traceback(tmp_path):
+    (tmp_path / "config.json").write_text("{")
+    proc = subprocess.run([sys.executable, "-m", "usd", "generate", "--target", str(tmp_path), "--prompt", "hi",
+                           "--json"], capture_output=True, text=True)  # fmt: skip
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert f"{tmp_path / 'config.json'} is not valid JSON" in proc.stderr
