@@ -109,3 +109,43 @@ def test_broken_local_dir_is_reported_without_traceback(tmp_path):
                            "--json"], capture_output=True, text=True)  # fmt: skip
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert f"{tmp_path / 'config.json'} is not valid JSON" in proc.stderr
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# `usd generate` settings: the app's ranges, and every input error exits 2 with what to change
+
+
+@pytest.fixture
+def fake_load(monkeypatch):
+    """load_pair without models: records its calls; a test that gets past it has nothing else to run on."""
+    import usd.api
+
+    calls = []
+    monkeypatch.setattr(usd.api, "load_pair", lambda *a, **kw: calls.append((a, kw)) or object())
+    return calls
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "two"])
+def test_samples_must_be_at_least_one(fake_load, capsys, value):
+    with pytest.raises(SystemExit) as exit_:
+        main(["generate", "--prompt", "hi", "--samples", value])
+    assert exit_.value.code == 2 and not fake_load
+    assert f"--samples: must be a whole number >= 1, got {value!r}" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("value", ["0", "17", "64", "x"])
+def test_draft_tokens_are_auto_or_one_to_sixteen_like_the_app(fake_load, capsys, value):
+    with pytest.raises(SystemExit) as exit_:
+        main(["generate", "--prompt", "hi", "--draft-tokens", value])
+    assert exit_.value.code == 2 and not fake_load
+    err = capsys.readouterr().err
+    assert f"--draft-tokens: must be auto or a whole number from 1 to 16, got {value!r}" in err
+    assert "to decode without a drafter, use --algorithm none" in err
+
+
+def test_bad_messages_json_exits_2_naming_the_file(fake_load, capsys, tmp_path):
+    f = tmp_path / "conversation.json"
+    f.write_text('[{"role": "user", "content": "hi"},]', encoding="utf-8")
+    assert main(["generate", "--messages-file", str(f)]) == 2
+    err = capsys.readouterr().err
+    assert f"{f} is not valid JSON: line 1 column 36: " in err and "Traceback" not in err

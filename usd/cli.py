@@ -95,31 +95,40 @@ _RESET = "\x1b[0m"
 
 
 def _draft_tokens(value: str) -> int | str:
-    if value == "auto":
-        return value
+    # The app's range: 0 would silently mean plain decoding, and drafts past 16 are almost never accepted whole.
+    if value != "auto" and not (value.isdigit() and 1 <= int(value) <= 16):
+        raise argparse.ArgumentTypeError(f"must be auto or a whole number from 1 to 16, got {value!r} "
+                                         "(to decode without a drafter, use --algorithm none)")  # fmt: skip
+    return value if value == "auto" else int(value)
+
+
+def _at_least_one(value: str) -> int:
+    if not (value.isdigit() and int(value) >= 1):
+        raise argparse.ArgumentTypeError(f"must be a whole number >= 1, got {value!r}")
+    return int(value)
+
+
+def _read_text(path: str, what: str) -> str:
+    """A file's text; a ValueError (exit 2, like every input error) that names the file and the problem."""
     try:
-        k = int(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number of tokens or 'auto', got {value!r}") from None
-    if not 0 <= k <= 64:
-        raise argparse.ArgumentTypeError(f"draft tokens must be from 0 to 64, got {k}")
-    return k
+        return Path(path).read_text(encoding="utf-8")
+    except OSError as e:
+        raise ValueError(f"cannot read the {what} from {path}: {e.strerror or e}") from None
+
+
+def _messages(path: str):
+    text = _read_text(path, "messages")
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path} is not valid JSON: line {e.lineno} column {e.colno}: {e.msg}; "
+                         'it must hold a list like [{"role": "user", "content": "..."}]') from None  # fmt: skip
 
 
 def _generation_input(args) -> dict:
     if args.messages_file:
-        try:
-            messages = json.loads(Path(args.messages_file).read_text(encoding="utf-8"))
-        except (OSError, ValueError) as e:
-            raise SystemExit(f"usd generate: cannot read messages from {args.messages_file}: {e}") from None
-        return {"messages": messages}
-    if args.prompt_file:
-        try:
-            prompt = Path(args.prompt_file).read_text(encoding="utf-8")
-        except OSError as e:
-            raise SystemExit(f"usd generate: cannot read the prompt file: {e}") from None
-    else:
-        prompt = args.prompt
+        return {"messages": _messages(args.messages_file)}
+    prompt = _read_text(args.prompt_file, "prompt") if args.prompt_file else args.prompt
     return {"prompt": prompt, "chat_mode": args.chat}
 
 
@@ -212,7 +221,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--drafter", help="catalog name, local directory or hub id (default: the catalog's default)")
     p.add_argument("--algorithm", default="auto", choices=["auto", "standard", "tli", "slem", "none"])
     p.add_argument("--draft-tokens", type=_draft_tokens, default="auto", metavar="{K,auto}",
-                   help="draft length per round, or auto to adapt it (default)")  # fmt: skip
+                   help="draft length per round, 1-16, or auto to adapt it (default)")  # fmt: skip
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0, help="0 = off")
@@ -223,7 +232,7 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--prompt", help="the prompt text")
     src.add_argument("--prompt-file", metavar="F", help="read the prompt from a file")
     src.add_argument("--messages-file", metavar="F", help="a JSON list of {role, content} messages (implies chat)")
-    p.add_argument("--samples", type=int, metavar="N", help="N independent generations, seeds S..S+N-1")
+    p.add_argument("--samples", type=_at_least_one, metavar="N", help="N independent generations, seeds S..S+N-1")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
     p.add_argument("--device", choices=["cpu", "cuda"], help="default: cuda when present")
     p.add_argument("--precision", choices=["nf4", "int8", "bf16", "fp16", "fp32"],
