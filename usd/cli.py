@@ -4,12 +4,16 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from pathlib import Path
 
+from . import chat
 from .catalog import CatalogError, load_catalog
-from .loading import LoadError, default_device, entry_for, plan_load
+from .loading import LoadError, check_local_dir, default_device, entry_for, plan_load
 from .store import StoreError, local_path, pull
+
+_SEED_MAX = (1 << 63) - 1  # the app's range
 
 
 def _catalog(args):
@@ -95,32 +99,110 @@ _RESET = "\x1b[0m"
 
 
 def _draft_tokens(value: str) -> int | str:
-    if value == "auto":
-        return value
+    # The app's range: 0 would silently mean plain decoding, and drafts past 16 are almost never accepted whole.
+    if value != "auto" and not (value.isdigit() and 1 <= int(value) <= 16):
+        raise argparse.ArgumentTypeError(f"must be auto or a whole number from 1 to 16, got {value!r} "
+                                         "(to decode without a drafter, use --algorithm none)")  # fmt: skip
+    return value if value == "auto" else int(value)
+
+
+def _at_least_one(value: str) -> int:
+    if not (value.isdigit() and int(value) >= 1):
+        raise argparse.ArgumentTypeError(f"must be a whole number >= 1, got {value!r}")
+    return int(value)
+
+
+def _seed(value: str) -> int:
+    if not (value.isdigit() and int(value) <= _SEED_MAX):
+        raise argparse.ArgumentTypeError(f"must be a whole number from 0 to {_SEED_MAX}, got {value!r}")
+    return int(value)
+
+
+def _finite(value: str) -> float:
+    # float() takes nan and inf, which pass SamplingParams' range checks and then break sampling
     try:
-        k = int(value)
+        x = float(value)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number of tokens or 'auto', got {value!r}") from None
-    if not 0 <= k <= 64:
-        raise argparse.ArgumentTypeError(f"draft tokens must be from 0 to 64, got {k}")
-    return k
+        x = math.nan
+    if not math.isfinite(x):
+        raise argparse.ArgumentTypeError(f"must be a finite number, got {value!r}")
+    return x
+
+
+def _read_text(path: str, what: str) -> str:
+    """A file's text; a ValueError (exit 2, like every input error) that names the file and the problem."""
+    try:
+        return Path(path).read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{path} is not UTF-8 text (byte {e.start}); save it as UTF-8") from None
+    except OSError as e:
+        raise ValueError(f"cannot read the {what} from {path}: {e.strerror or e}") from None
+
+
+def _messages(path: str):
+    text = _read_text(path, "messages")
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path} is not valid JSON: line {e.lineno} column {e.colno}: {e.msg}; "
+                         'it must hold a list like [{"role": "user", "content": "..."}]') from None  # fmt: skip
+
+
+def _from_file(path: str, read, check):
+    """read(path), then the API's own check of what was read; its complaint names the file."""
+    value = read(path)
+    try:
+        return check(value)
+    except chat.PromptError as e:
+        raise chat.PromptError(f"{path}: {e}") from None
 
 
 def _generation_input(args) -> dict:
+    """The prompt or conversation, read and checked (as api.stream will check it) before any model loads."""
     if args.messages_file:
-        try:
-            messages = json.loads(Path(args.messages_file).read_text(encoding="utf-8"))
-        except (OSError, ValueError) as e:
-            raise SystemExit(f"usd generate: cannot read messages from {args.messages_file}: {e}") from None
-        return {"messages": messages}
+        return {"messages": _from_file(args.messages_file, _messages, chat.check_messages)}
     if args.prompt_file:
-        try:
-            prompt = Path(args.prompt_file).read_text(encoding="utf-8")
-        except OSError as e:
-            raise SystemExit(f"usd generate: cannot read the prompt file: {e}") from None
+        prompt = _from_file(args.prompt_file, lambda p: _read_text(p, "prompt"), chat.check_prompt)
     else:
-        prompt = args.prompt
+        prompt = chat.check_prompt(args.prompt)
     return {"prompt": prompt, "chat_mode": args.chat}
+
+
+def _settings(args) -> dict:
+    """api.stream's settings, checked by building the SamplingParams it builds: the same messages, before loading."""
+    from .sampling import SamplingParams
+
+    SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
+    return {"algorithm": args.algorithm, "draft_tokens": args.draft_tokens, "temperature": args.temperature,
+            "top_p": args.top_p, "top_k": args.top_k, "max_new_tokens": args.max_new_tokens}  # fmt: skip
+
+
+def _check_models(args, catalog) -> None:
+    """Fail before loading on what is known without the weights: a spec that names no model, a local directory
+    that lacks files, and 'standard' on tokenizers that differ. The drafter loads second, so its mistakes would
+    otherwise show only after the target's whole load."""
+    specs = [args.target or catalog.default.target]
+    if args.algorithm != "none":
+        specs.append(args.drafter or catalog.default.drafter)
+    entries = [entry_for(spec, catalog) for spec in specs]
+    for entry in entries:
+        check_local_dir(entry)
+    if args.algorithm == "standard":
+        _check_same_tokenizers(entries)
+
+
+def _check_same_tokenizers(entries) -> None:
+    from .decoder import resolve_algorithm
+    from .loading import load_tokenizer
+    from .pair import Pair
+
+    target, drafter = (load_tokenizer(e, pull(e, log=_log)) for e in entries)
+    # the decoder's own check on the tokenizers alone; it only asks whether a drafter is there, so stand-ins do
+    resolve_algorithm(Pair(object(), target, object(), drafter), "standard")
+
+
+def _log(message: str) -> None:
+    print(message, file=sys.stderr)
 
 
 def _result(done) -> dict:
@@ -132,12 +214,12 @@ def cmd_generate(args) -> int:
     from .events import Finished
 
     catalog = _catalog(args)
-    pair = api.load_pair(args.target, args.drafter if args.algorithm != "none" else False, catalog=catalog,
-                         device=args.device, precision=args.precision,
-                         log=lambda m: print(m, file=sys.stderr))  # fmt: skip
+    # every check that needs no model runs first: loading takes seconds, minutes for big models
     inputs = _generation_input(args)
-    settings = {"algorithm": args.algorithm, "draft_tokens": args.draft_tokens, "temperature": args.temperature,
-                "top_p": args.top_p, "top_k": args.top_k, "max_new_tokens": args.max_new_tokens}  # fmt: skip
+    settings = _settings(args)
+    _check_models(args, catalog)
+    pair = api.load_pair(args.target, args.drafter if args.algorithm != "none" else False, catalog=catalog,
+                         device=args.device, precision=args.precision, log=_log)  # fmt: skip
     seed = args.seed if args.seed is not None else (0 if args.samples else None)
     colour = sys.stdout.isatty() and not args.json
     results = []
@@ -212,18 +294,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--drafter", help="catalog name, local directory or hub id (default: the catalog's default)")
     p.add_argument("--algorithm", default="auto", choices=["auto", "standard", "tli", "slem", "none"])
     p.add_argument("--draft-tokens", type=_draft_tokens, default="auto", metavar="{K,auto}",
-                   help="draft length per round, or auto to adapt it (default)")  # fmt: skip
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    p.add_argument("--top-p", type=float, default=1.0)
+                   help="draft length per round, 1-16, or auto to adapt it (default)")  # fmt: skip
+    p.add_argument("--temperature", type=_finite, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-p", type=_finite, default=1.0)
     p.add_argument("--top-k", type=int, default=0, help="0 = off")
-    p.add_argument("--seed", type=int, help="random seed for sampling (with --samples: the first of N)")
-    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--seed", type=_seed, help="random seed for sampling (with --samples: the first of N)")
+    p.add_argument("--max-new-tokens", type=_at_least_one, default=256)
     p.add_argument("--chat", action="store_true", help="send the prompt as one user message through chat templates")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="the prompt text")
     src.add_argument("--prompt-file", metavar="F", help="read the prompt from a file")
     src.add_argument("--messages-file", metavar="F", help="a JSON list of {role, content} messages (implies chat)")
-    p.add_argument("--samples", type=int, metavar="N", help="N independent generations, seeds S..S+N-1")
+    p.add_argument("--samples", type=_at_least_one, metavar="N", help="N independent generations, seeds S..S+N-1")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
     p.add_argument("--device", choices=["cpu", "cuda"], help="default: cuda when present")
     p.add_argument("--precision", choices=["nf4", "int8", "bf16", "fp16", "fp32"],

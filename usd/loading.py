@@ -227,8 +227,8 @@ def entry_for(spec: str, catalog: Catalog | None = None, allow_unlisted: bool = 
     p = Path(spec).expanduser()
     if p.exists():
         ctx = 2048
-        if p.is_dir() and (p / "config.json").is_file():
-            cfg = json.loads((p / "config.json").read_text())
+        if p.is_dir():
+            cfg = _dir_config(p)
             ctx = int(
                 cfg.get("max_position_embeddings") or cfg.get("text_config", {}).get("max_position_embeddings") or ctx
             )
@@ -248,6 +248,47 @@ def entry_for(spec: str, catalog: Catalog | None = None, allow_unlisted: bool = 
     )
 
 
+_WEIGHTS = ("*.safetensors", "pytorch_model*.bin")
+_NEEDS = "config.json, tokenizer files and weights (*.safetensors / pytorch_model*.bin)"
+
+
+def _dir_config(p: Path) -> dict:
+    """A local directory's config.json ({} when it has none); a LoadError naming the file and the problem when it
+    is broken (json's own message names neither the file nor what to do)."""
+    f = p / "config.json"
+    if not f.is_file():
+        return {}
+    try:
+        cfg = json.loads(f.read_text(encoding="utf-8"))
+    except UnicodeDecodeError as e:
+        raise LoadError(f"{f} is not UTF-8 text (byte {e.start}); fix the file or copy the model again") from None
+    except json.JSONDecodeError as e:
+        raise LoadError(f"{f} is not valid JSON: line {e.lineno} column {e.colno}: {e.msg}; "
+                        "fix the file or copy the model again") from None  # fmt: skip
+    except OSError as e:
+        raise LoadError(f"cannot read {f}: {e.strerror}") from None
+    if not isinstance(cfg, dict):
+        raise LoadError(f"{f} must hold a JSON object, got {type(cfg).__name__}; fix the file or copy the model again")
+    return cfg
+
+
+def check_local_dir(entry: ModelEntry) -> None:
+    """For a model in a local directory: raise a LoadError before any loading when its config or weights are
+    missing or broken, so that the user is told which directory lacks what (no-op for other sources)."""
+    if not isinstance(entry.source, PathSource):
+        return
+    p = Path(entry.source.path).expanduser()
+    if not p.is_dir():
+        return  # a .gguf file: the store converts it and says what went wrong
+    if not (p / "config.json").is_file():
+        raise LoadError(f"{p} has no config.json, so it is not a model directory in hub layout; "
+                        f"give a directory with {_NEEDS}, or a .gguf file")  # fmt: skip
+    _dir_config(p)
+    if not any(next(p.glob(pattern), None) for pattern in _WEIGHTS):
+        raise LoadError(f"{p} has config.json but no weights (*.safetensors / pytorch_model*.bin); copy the weight "
+                        "files in, or give a complete model directory")  # fmt: skip
+
+
 def _tok_config(p: Path) -> dict:
     try:
         return json.loads((p / "tokenizer_config.json").read_text())
@@ -262,7 +303,17 @@ def load_tokenizer(entry: ModelEntry, path: Path | None = None):
     from transformers import AutoTokenizer
 
     path = path or pull(entry)
-    return AutoTokenizer.from_pretrained(path, trust_remote_code=entry.trust_remote_code)
+    try:
+        return AutoTokenizer.from_pretrained(path, trust_remote_code=entry.trust_remote_code)
+    except (OSError, ValueError) as e:
+        if not isinstance(entry.source, PathSource):
+            raise
+        # transformers' message lists backends and converters; the user needs to know which files are missing
+        first_line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise LoadError(
+            f"{path} has no usable tokenizer ({first_line}); copy the model's tokenizer files in "
+            "(tokenizer.json, or tokenizer.model / vocab.json with tokenizer_config.json)"
+        ) from None
 
 
 def load_model(
@@ -279,6 +330,7 @@ def load_model(
 
     entry = spec if isinstance(spec, ModelEntry) else entry_for(spec, catalog)
     device = device or default_device()
+    check_local_dir(entry)
     if local_path(entry) is None:
         # Refuse before downloading, not after: anyone who can name a catalog model (a public Space's visitor) could
         # otherwise fill the disk with a 65 GB model that was never going to fit. The estimate is from params_b here.
@@ -298,13 +350,14 @@ def load_model(
         quant = bnb_config(plan.precision)
         if quant is not None:
             kwargs["quantization_config"] = quant
+    # before the weights: a missing tokenizer then fails in seconds, not after a load that can take minutes
+    tokenizer = load_tokenizer(entry, path)
     try:
         with verifying(path, entry.name):  # pull only compared sizes and mtimes; the bytes are hashed as they load
             model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
     except StoreError as e:
         raise LoadError(f"{entry.name}: {e}") from None
     model.eval()
-    tokenizer = load_tokenizer(entry, path)
     return LoadedModel(entry.name, model, tokenizer, plan, path, entry)
 
 
