@@ -9,8 +9,7 @@ import html
 import time
 from dataclasses import dataclass, field
 
-from usd.events import KINDS, Finished, Piece, Round
-from usd.theory import expected_speedup
+from usd.events import KINDS, Finished, Piece, Round, Stats
 
 KIND_LABELS = {
     "accepted": "accepted: drafted and kept",
@@ -62,45 +61,27 @@ def piece_dicts(pieces) -> list[dict]:
 
 @dataclass
 class Live:
-    """Running numbers for one generation, updated per round: what the stats panel and the chart show.
-
-    c and v need the target's single-step time, which the engine measures with a plain step (the first round of a
-    speculative generation, and every round of plain decoding); until one has run they stay unknown.
-    """
+    """One generation as the UI shows it: its pieces, the chart's rows, and the engine's own running numbers (every
+    event carries them, computed as the final ones are, so live equals final)."""
 
     algorithm: str
     baseline_tokens_per_s: float | None = None
     """Plain decoding's tokens/s for this pair, measured earlier (the compare view, or a plain chat answer)."""
     started: float = field(default_factory=time.perf_counter)
     pieces: list[Piece] = field(default_factory=list)
-    rounds: int = 0
-    drafted: int = 0
-    accepted: int = 0
-    tokens: int = 0
     k: int = 0
-    plain_s: list[float] = field(default_factory=list)
-    draft_step_s: list[float] = field(default_factory=list)
-    verify_s: list[float] = field(default_factory=list)
+    stats: Stats | None = None
     chart: list[dict] = field(default_factory=list)
     finished: Finished | None = None
 
     def add(self, event: Round | Finished) -> None:
+        self.stats = event.stats
         if isinstance(event, Finished):
             self.finished = event
             return
-        self.rounds += 1
         self.pieces.extend(event.pieces)
-        self.drafted += event.drafted
-        self.accepted += event.accepted
-        emitted = len([p for p in event.emitted if p.target_id is not None])
-        self.tokens += emitted
         self.k = event.k
-        if event.algorithm == "none" or event.k == 0:
-            self.plain_s.append(event.verify_s)
-        else:
-            self.verify_s.append(event.verify_s)
-            if event.drafted:
-                self.draft_step_s.append(event.draft_s / event.drafted)
+        emitted = len([p for p in event.emitted if p.target_id is not None])
         self.chart.append({"round": event.index, "series": "accepted", "tokens": event.accepted})
         self.chart.append({"round": event.index, "series": "emitted", "tokens": emitted})
 
@@ -112,39 +93,26 @@ class Live:
 
     def numbers(self) -> dict:
         """tokens/s, alpha, tau, k, c, v, theoretical speedup and (when a baseline is known) measured speedup."""
-        if self.finished is not None:
-            s = self.finished.stats
-            out = {"tokens_per_s": s.tokens_per_s, "acceptance_rate": s.acceptance_rate if s.drafted else None,
-                   "tokens_per_round": s.tokens_per_round, "k": self.k, "mean_k": s.mean_k, "c": s.c, "v": s.v,
-                   "theoretical_speedup": s.theoretical_speedup, "tokens": s.tokens, "rounds": s.rounds,
-                   "wall_s": s.wall_s, "stop_reason": s.stop_reason}  # fmt: skip
-        else:
-            t_step = _median(self.plain_s)
-            c = _median(self.draft_step_s) / t_step if t_step and self.draft_step_s else None
-            v = _median(self.verify_s) / t_step if t_step and self.verify_s else None
-            alpha = self.accepted / self.drafted if self.drafted else None
-            theory = expected_speedup(alpha, self.k, c, v) if None not in (alpha, c, v) and self.k else None
-            out = {"tokens_per_s": self.tokens / self.elapsed if self.elapsed > 0 else 0.0, "acceptance_rate": alpha,
-                   "tokens_per_round": self.tokens / self.rounds if self.rounds else 0.0, "k": self.k,
-                   "mean_k": None, "c": c, "v": v, "theoretical_speedup": theory, "tokens": self.tokens,
-                   "rounds": self.rounds, "wall_s": self.elapsed, "stop_reason": None}  # fmt: skip
-        out["measured_speedup"] = None
-        out["speedup_basis"] = None
-        if self.baseline_tokens_per_s and out["tokens_per_s"]:
-            out["measured_speedup"] = out["tokens_per_s"] / self.baseline_tokens_per_s
+        s = self.stats
+        if s is None:
+            return {"tokens_per_s": 0.0, "acceptance_rate": None, "tokens_per_round": 0.0, "k": self.k, "mean_k": None,
+                    "c": None, "v": None, "theoretical_speedup": None, "tokens": 0, "rounds": 0,
+                    "wall_s": self.elapsed, "stop_reason": None, "measured_speedup": None,
+                    "speedup_basis": None}  # fmt: skip
+        out = {"tokens_per_s": s.tokens_per_s, "acceptance_rate": s.acceptance_rate if s.drafted else None,
+               "tokens_per_round": s.tokens_per_round, "k": self.k, "mean_k": s.mean_k, "c": s.c, "v": s.v,
+               "theoretical_speedup": s.theoretical_speedup, "tokens": s.tokens, "rounds": s.rounds,
+               "wall_s": s.wall_s, "stop_reason": s.stop_reason, "measured_speedup": None,
+               "speedup_basis": None}  # fmt: skip
+        plain_rounds = s.rounds_by_algorithm.get("none", 0)
+        if self.baseline_tokens_per_s and s.tokens_per_s:
+            out["measured_speedup"] = s.tokens_per_s / self.baseline_tokens_per_s
             out["speedup_basis"] = "against plain decoding measured earlier on this pair"
-        elif self.plain_s and self.rounds > len(self.plain_s) and out["tokens_per_s"]:
+        elif s.step_s and s.rounds > plain_rounds and s.tokens_per_s:
             # No plain run to compare with yet: the plain steps inside this answer give plain decoding's rate.
-            out["measured_speedup"] = out["tokens_per_s"] * _median(self.plain_s)
+            out["measured_speedup"] = s.tokens_per_s * s.step_s
             out["speedup_basis"] = "estimated from this answer's plain steps"
         return out
-
-
-def _median(xs: list[float]) -> float | None:
-    if not xs:
-        return None
-    s = sorted(xs)
-    return s[len(s) // 2]
 
 
 def _fmt(x, spec: str = ".2f", unit: str = "") -> str:

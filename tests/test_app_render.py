@@ -35,6 +35,20 @@ def spec_round(i, accepted_texts, rejected_texts, last, last_kind, draft_s=0.2, 
     return Round(i, k, tuple(pieces), drafted, len(accepted_texts), draft_s, verify_s, 0.0, "tli")
 
 
+def with_stats(rounds):
+    """The rounds as the engine yields them: each carries the running stats, counted by the engine's own Tally."""
+    import dataclasses
+
+    from usd.tally import Tally
+
+    tally, tokens, out = Tally("tli"), 0, []
+    for r in rounds:
+        tally.record(r.algorithm, r.drafted, r.accepted, r.drafted, r.draft_s, r.verify_s)
+        tokens += len(r.emitted)
+        out.append(dataclasses.replace(r, draft_steps=r.drafted, stats=tally.stats(tokens, None, 0.0, None)))
+    return out
+
+
 def test_every_kind_gets_its_class_rejected_is_struck_and_hover_gives_round_and_ids():
     pieces = [piece("Hi", "target", 0, 7), piece(" there", "accepted", 1, 8, (3, 4)),
               piece("!", "rejected", 1, 9, (5,)), piece(".", "resampled", 1, 11), piece(" ok", "bonus", 2, 12)]
@@ -67,9 +81,10 @@ def test_legend_names_every_kind():
 
 def test_live_numbers_follow_the_rounds():
     live = render.Live("tli")
-    live.add(plain_round(0, verify_s=0.1))
-    live.add(spec_round(1, ["a", "b"], ["c", "d"], "e", "resampled", draft_s=0.2, verify_s=0.15))
-    live.add(spec_round(2, ["f", "g", "h", "i"], [], "j", "bonus", draft_s=0.2, verify_s=0.15))
+    for r in with_stats([plain_round(0, verify_s=0.1),
+                         spec_round(1, ["a", "b"], ["c", "d"], "e", "resampled", draft_s=0.2, verify_s=0.15),
+                         spec_round(2, ["f", "g", "h", "i"], [], "j", "bonus", draft_s=0.2, verify_s=0.15)]):
+        live.add(r)
     n = live.numbers()
     assert n["acceptance_rate"] == pytest.approx(6 / 8)
     assert n["tokens"] == 1 + 3 + 5 and n["rounds"] == 3
@@ -85,7 +100,7 @@ def test_live_numbers_follow_the_rounds():
 
 def test_finished_stats_replace_the_running_estimate_and_a_baseline_gives_measured_speedup():
     live = render.Live("tli", baseline_tokens_per_s=10.0)
-    live.add(spec_round(0, ["a"], ["b"], "c", "resampled"))
+    live.add(with_stats([spec_round(0, ["a"], ["b"], "c", "resampled")])[0])
     stats = Stats("tli", rounds=4, drafted=10, accepted=5, tokens=12, wall_s=2.0, stop_reason="eos", c=0.3, v=1.2,
                   mean_k=2.5)  # fmt: skip
     live.add(Finished("final text", (1, 2), stats))

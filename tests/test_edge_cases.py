@@ -493,8 +493,8 @@ def test_invalid_utf8_in_the_answer_neither_blanks_the_stream_nor_blinds_the_dra
 def test_drafter_resync_spells_the_committed_bytes_and_never_cuts_a_character(tok, committed):
     """sync_drafter's one-token back-off can land inside a character when the drafter spelled it in byte tokens;
     it backs off to the character's start, and invalid bytes reach the drafter as its own byte tokens."""
-    from usd.decoder import Context
     from usd.drafters import sync_drafter
+    from usd.pair import Context
 
     tt, dt = tok[QWEN], tok[SMOL]
     pair, _, dids = scripted_pair(tt, dt, "Say:", enc(tt, " ok"), None)
@@ -553,3 +553,17 @@ def test_verify_positions_stay_inside_the_targets_context(tok, algorithm):
     assert done.stats.drafting_stopped is None
     _, plain = run(pair, ids, dids, algorithm="none", max_new_tokens=max_new)
     assert done.target_ids == plain.target_ids
+
+
+@pytest.mark.parametrize("algorithm", SPEC)
+def test_live_numbers_are_the_final_numbers(tok, algorithm):
+    """Every Round carries the running Stats, counted as the final ones are: the last round's equal Finished's."""
+    tt, dt = tok[QWEN], tok[SMOL]
+    words = " one two three four five six"
+    pair, ids, dids = scripted_pair(tt, dt, "Count:", enc(tt, words) + [tt.eos_token_id], enc(dt, " one two four"))
+    rounds, done = run(pair, ids, dids, algorithm=algorithm, k=3, max_new_tokens=20, probe_first=True)
+    last, final = rounds[-1].stats, done.stats
+    for field in ("rounds", "drafted", "accepted", "tokens", "c", "v", "mean_k", "rounds_by_algorithm", "step_s"):
+        assert getattr(last, field) == getattr(final, field), field
+    assert [r.stats.rounds for r in rounds] == list(range(1, len(rounds) + 1))
+    assert sum(r.draft_steps for r in rounds) > 0 and final.drafted > 0

@@ -1,8 +1,9 @@
 """The one decode loop: draft -> verify -> commit -> yield. Plain decoding is the same loop with k = 0.
 
-Each model keeps its own token context and KV cache (`Context`); a round feeds only the tokens the cache lacks and
-crops what the target rejected, so a round costs O(new tokens). The committed answer is held as target ids; the
-drafter's context follows the committed *bytes* (its own tokenization of the same text).
+Each model keeps its own token context and KV cache (`pair.open_context`); a round feeds only the tokens the cache
+lacks and crops what the target rejected, so a round costs O(new tokens). The committed answer is held as target ids;
+the drafter's context follows the committed *bytes* (its own tokenization of the same text). docs/design.md walks
+through the loop, the events and why each algorithm is lossless.
 """
 
 from __future__ import annotations
@@ -11,24 +12,26 @@ import secrets
 import threading
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import torch
 
-from .drafters import draft_strings, draft_tokens, sync_drafter
+from .drafters import Draft, draft_strings, draft_tokens, sync_drafter
 from .events import Finished, Piece, Round, Stats
-from .pair import Context, Pair, bytes_of, model_context_length
+from .pair import Pair, bytes_of, model_context_length, open_context
 from .sampling import DRAFTER_STREAM, SamplingParams, make_generator, position_generator, probabilities
 from .schedule import Schedule
+from .settings import check_draft_tokens, check_max_new_tokens
+from .tally import Tally
 from .utf8 import piece_decoder
 from .verify import exact_match, greedy_match, rejection_sampling
-
-ALGORITHMS = ("auto", "standard", "tli", "slem", "none")
 
 
 def resolve_algorithm(pair: Pair, algorithm: str) -> str:
     """Check that the algorithm can run on this pair; `auto` stays `auto` (the schedule picks per round)."""
-    if algorithm not in ALGORITHMS:
-        raise ValueError(f"unknown algorithm {algorithm!r}; choose one of {', '.join(ALGORITHMS)}")
+    from .settings import check_algorithm
+
+    check_algorithm(algorithm)
     if algorithm == "auto" and pair.drafter is None:
         return "none"
     if algorithm != "none" and pair.drafter is None:
@@ -38,12 +41,135 @@ def resolve_algorithm(pair: Pair, algorithm: str) -> str:
     return algorithm
 
 
-def _check_k(k) -> int | str:
-    if k == "auto":
-        return k
-    if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= 64:
-        raise ValueError(f"draft tokens must be 'auto' or a whole number from 0 to 64, got {k!r}")
-    return k
+# --- one round -------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Randomness:
+    """Where a round's random draws come from (sampling.make_generator): the drafter's samples and rejection
+    sampling's uniforms from one stream, the target's own draw at each answer position from that position's."""
+
+    drafter: object
+    base_seed: int
+
+    def at_positions(self, first: int, n: int) -> list:
+        return [position_generator(self.base_seed, first + i) for i in range(n)]
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """What a round's verification decided: the first `accepted` candidates stand, then the target's own `token`
+    (`resampled` at the first rejection, `bonus` after a fully accepted draft, `target` when nothing was drafted)."""
+
+    accepted: int
+    token: int
+    kind: str
+
+
+def propose(pair: Pair, drafter, mode: str, k: int, params: SamplingParams, rng: Randomness, eos: set[int],
+            min_confidence: float) -> Draft:  # fmt: skip
+    if mode == "none":
+        return Draft()
+    if mode == "slem":
+        return draft_strings(pair, drafter, k, eos, min_confidence)
+    return draft_tokens(pair, drafter, k, params, rng.drafter, eos, min_confidence)
+
+
+def accept(logits: torch.Tensor, draft: Draft, mode: str, params: SamplingParams, rng: Randomness,
+           position: int) -> Verdict:  # fmt: skip
+    """The algorithm's acceptance rule on the target's logits at each candidate and one past the last."""
+    candidates = draft.candidates
+    if params.greedy:
+        accepted, token, kind = greedy_match(logits.argmax(-1).tolist(), candidates)
+    else:
+        p = probabilities(logits, params)
+        if mode == "slem" or not candidates:
+            accepted, token, kind = exact_match(p, candidates, rng.at_positions(position, len(candidates) + 1))
+        else:
+            accepted, token, kind = rejection_sampling(p, torch.stack(draft.q), candidates, rng.drafter)
+    return Verdict(accepted, token, kind if candidates else "target")
+
+
+@dataclass(frozen=True)
+class RoundTimes:
+    draft_s: float
+    verify_s: float
+
+
+def speculative_round(pair: Pair, target, drafter, mode: str, k: int, params: SamplingParams, rng: Randomness,
+                      eos: set[int], min_confidence: float, position: int,
+                      target_room: int) -> tuple[Draft, Verdict, RoundTimes]:  # fmt: skip
+    """One round, as in the paper: the drafter proposes up to k candidates, the target scores all of them in one
+    forward, the acceptance rule keeps a prefix and adds one token of the target's own; the target's cache is cut
+    back to what stands. (mode "none": no candidates, so this is one plain target step.)"""
+    t0 = time.perf_counter()
+    draft = propose(pair, drafter, mode, k, params, rng, eos, min_confidence).fitted(target_room)
+    t1 = time.perf_counter()
+    n_before = len(target.ids)
+    target.ids.extend(draft.candidates)
+    logits = target.forward(keep=len(draft.candidates) + 1)
+    t2 = time.perf_counter()
+    verdict = accept(logits, draft, mode, params, rng, position)
+    target.truncate(n_before + verdict.accepted)
+    target.ids.append(verdict.token)
+    return draft, verdict, RoundTimes(t1 - t0, t2 - t1)
+
+
+# --- the committed answer --------------------------------------------------------------------------------------------
+
+
+class Answer:
+    """The committed answer: its target ids and bytes, the text each piece shows, and the stop conditions."""
+
+    def __init__(self, pair: Pair, max_new_tokens: int, stop_strings: tuple[str, ...]):
+        self.tb = pair.target_bytes
+        self.eos = pair.eos_ids()
+        self.max_new_tokens = max_new_tokens
+        self.stop_strings = tuple(s for s in stop_strings if s)
+        self.ids: list[int] = []
+        self.committed = b""
+        self.piece_text = piece_decoder()  # a piece shows the characters it completes; a split one waits for its rest
+        self.stop_reason: str | None = None
+
+    def commit(self, draft: Draft, verdict: Verdict, round_index: int) -> list[Piece]:
+        """Append what the round emitted, up to a stop; return its pieces: accepted, rejected, then the target's."""
+        emitted = draft.candidates[: verdict.accepted] + [verdict.token]
+        pieces, new_bytes = [], b""
+        for j, t in enumerate(emitted):
+            if t in self.eos:  # eos ends the answer and is not part of its text
+                self.stop_reason = "eos"
+                break
+            new_bytes += bytes_of(self.tb, t)
+            kind = "accepted" if j < verdict.accepted else verdict.kind
+            dids = draft.drafter_ids[j] if j < verdict.accepted else ()
+            pieces.append(Piece(text=self.piece_text.decode(bytes_of(self.tb, t)), kind=kind, target_id=t,
+                                round=round_index, drafter_ids=dids))  # fmt: skip
+            if self._ends_with_stop_string(self.committed + new_bytes, len(new_bytes)):
+                self.stop_reason = "stop_string"
+            elif len(self.ids) + j + 1 >= self.max_new_tokens:
+                self.stop_reason = "max_tokens"
+            if self.stop_reason:
+                break
+        self.ids.extend(p.target_id for p in pieces)
+        self.committed += new_bytes
+        kept = min(verdict.accepted, len(pieces))
+        return pieces[:kept] + self._rejected(draft, verdict, round_index) + pieces[kept:]
+
+    def _rejected(self, draft: Draft, verdict: Verdict, round_index: int) -> list[Piece]:
+        return [Piece(text=bytes_of(self.tb, t).decode("utf-8", "replace"), kind="rejected", target_id=t,
+                      round=round_index, drafter_ids=draft.drafter_ids[j])
+                for j, t in enumerate(draft.candidates) if j >= verdict.accepted]  # fmt: skip
+
+    def _ends_with_stop_string(self, text: bytes, new: int) -> bool:
+        """Whether the last `new` bytes completed a stop string (it lies in the tail they end)."""
+        if not self.stop_strings:
+            return False
+        window = new + max(len(s.encode()) for s in self.stop_strings) + 3  # +3: a character cut at the start
+        tail = text[-window:].decode("utf-8", "replace")
+        return any(s in tail for s in self.stop_strings)
+
+
+# --- the loop --------------------------------------------------------------------------------------------------------
 
 
 def _room(limit: int | None, used: int) -> int:
@@ -51,10 +177,45 @@ def _room(limit: int | None, used: int) -> int:
     return 1 << 30 if limit is None else limit - used
 
 
-def _tail_text(text: bytes, new: int, stop_strings: tuple[str, ...]) -> str:
-    """The end of the answer that a stop string completed by the last `new` bytes must lie in."""
-    window = new + max(len(s.encode()) for s in stop_strings) + 3  # +3: a character split at the window's start
-    return text[-window:].decode("utf-8", "replace")
+def _prefill(ctx) -> None:
+    """Feed all but the last prompt token, so that later steps feed only what is new."""
+    if len(ctx.ids) > 1:
+        last = ctx.ids.pop()
+        ctx.forward(keep=1)
+        ctx.ids.append(last)
+
+
+class DrafterState:
+    """The drafter's context, prefilled at its first draft (a plain-only run never pays for it), and whether it still
+    has room: a drafter with learned positions would crash past its context (IndexError on a CPU, a device assert
+    on CUDA), so when it is full the answer goes on plainly, and `stopped` says why."""
+
+    def __init__(self, pair: Pair, prompt_ids: list[int]):
+        self.pair = pair
+        self.ctx = open_context(pair.drafter, prompt_ids)
+        self.prompt_len = len(prompt_ids)
+        self.limit = pair.drafter_context_length or model_context_length(pair.drafter)
+        self.ready = False
+        self.stopped: str | None = None
+
+    def room(self, answer: Answer) -> int:
+        """How many tokens it may draft now (0 once it is full, for the rest of the answer)."""
+        if self.stopped:
+            return 0
+        if not self.ready:
+            self.follow(answer)
+        room = _room(self.limit, len(self.ctx.ids))
+        if room < 1:
+            self.stopped = (f"the drafter's context ({self.limit:,} tokens) is full: the rest of the answer was "
+                            "decoded by the target alone")  # fmt: skip
+            return 0
+        if not self.ready:
+            _prefill(self.ctx)  # a one-time cost, kept out of the round's time so it does not bias auto's choice
+            self.ready = True
+        return room
+
+    def follow(self, answer: Answer) -> None:
+        sync_drafter(self.pair, self.ctx, self.prompt_len, answer.ids, answer.committed)
 
 
 def stream(
@@ -74,154 +235,61 @@ def stream(
 
     The output is exactly the target's: token-identical to plain greedy decoding when greedy, and distributed as
     plain sampling otherwise. The models are never modified; both stay usable after a cancel.
-    `k` is the draft length, or "auto" to adapt it per round. With `probe_first` the first round is a plain target
-    step, which measures the single-step time behind c and v.
+    `k` is the draft length (0: plain decoding), or "auto" to adapt it per round. With `probe_first` the first round
+    is a plain target step, which measures the single-step time behind c and v.
     """
     params = params or SamplingParams()
     algo = resolve_algorithm(pair, algorithm)
-    k = 0 if algo == "none" else _check_k(k)
+    k = 0 if algo == "none" else check_draft_tokens(k, allow_zero=True)
     if k == 0:
         algo = "none"
     if not prompt_ids:
         raise ValueError("the prompt is empty")
-    if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-    stop_strings = tuple(s for s in stop_strings if s)
+    check_max_new_tokens(max_new_tokens)
     # With a seed, auto only uses modes whose answer the seed fixes (plain and slem, see position_generator), so
     # "same seed, same text" holds for regenerate, for --samples, and between the compare view's two columns.
     schedule = Schedule(pair, algo, k, probe_first, seeded_sampling=not params.greedy and params.seed is not None)
-    g = make_generator(params.seed, DRAFTER_STREAM)  # drafter samples and rejection-sampling uniforms
-    base_seed = params.seed if params.seed is not None else secrets.randbits(63)  # keys the target's own draws
-    t_start = time.perf_counter()
-    target = Context(pair.target, prompt_ids)
-    tb = pair.target_bytes
-    eos = pair.eos_ids()
+    rng = Randomness(make_generator(params.seed, DRAFTER_STREAM),
+                     params.seed if params.seed is not None else secrets.randbits(63))  # fmt: skip
+    tally = Tally(algo)
+    target = open_context(pair.target, prompt_ids)
     drafter = None
     if algo != "none":
-        drafter = Context(pair.drafter, drafter_prompt_ids if drafter_prompt_ids is not None else prompt_ids)
-        drafter_prompt_len = len(drafter.ids)
+        drafter = DrafterState(pair, drafter_prompt_ids if drafter_prompt_ids is not None else prompt_ids)
+    answer = Answer(pair, max_new_tokens, stop_strings)
+    _prefill(target)  # before round 0, so round 0 is a true single-token target step
 
-    generated: list[int] = []
-    committed = b""  # the generated text's bytes
-    piece_text = piece_decoder()  # a piece shows the characters it completes; a split one waits for its rest
-    rounds = drafted_total = accepted_total = 0
-    by_algorithm: dict[str, int] = {}
-    t_plain, t_verify, t_draft_step = [], [], []
-    stop_reason = drafting_stopped = None
-    target_limit = pair.context_length
-    drafter_limit = (pair.drafter_context_length or model_context_length(pair.drafter)) if drafter else None
+    def forward_s() -> float:
+        return target.forward_s + (drafter.ctx.forward_s if drafter is not None else 0.0)
 
-    def prefill(ctx: Context) -> None:
-        """Feed all but the last prompt token, so that later steps feed only what is new."""
-        if len(ctx.ids) > 1:
-            last = ctx.ids.pop()
-            ctx.forward(keep=1)
-            ctx.ids.append(last)
+    def stats() -> Stats:
+        return tally.stats(tokens=len(answer.ids), stop_reason=answer.stop_reason, forward_s=forward_s(),
+                           drafting_stopped=drafter.stopped if drafter else None)  # fmt: skip
 
-    prefill(target)  # before round 0, so round 0 is a true single-token target step
-    drafter_ready = False  # the drafter is prefilled at its first draft: a plain-only run never pays for it
-
-    while stop_reason is None:
+    while answer.stop_reason is None:
         if cancel is not None and cancel.is_set():
-            stop_reason = "cancelled"
+            answer.stop_reason = "cancelled"
             break
         mode, k_round = schedule.next()
-        if mode != "none" and drafting_stopped is None:
-            if not drafter_ready:
-                sync_drafter(pair, drafter, drafter_prompt_len, generated, committed)
-            # Neither model may be fed past its context: the target verifies k_round positions past its ids, the
-            # drafter writes k_round past its own. A drafter with learned positions would crash (IndexError on a
-            # CPU, a device assert on CUDA); when it has no room left, the answer goes on plainly.
-            k_round = min(k_round, _room(target_limit, len(target.ids)), _room(drafter_limit, len(drafter.ids)))
-            if _room(drafter_limit, len(drafter.ids)) < 1:
-                drafting_stopped = (f"the drafter's context ({drafter_limit:,} tokens) is full: the rest of the "
-                                    "answer was decoded by the target alone")  # fmt: skip
-        if mode != "none" and (drafting_stopped is not None or k_round < 1):
-            mode, k_round = "none", 0
-        if mode != "none" and not drafter_ready:
-            prefill(drafter)  # a one-time cost, kept out of the round's time so it does not bias auto's choice
-            drafter_ready = True
+        target_room = _room(pair.context_length, len(target.ids))  # the verify positions must fit the target too
+        if mode != "none":
+            k_round = min(k_round, target_room, drafter.room(answer))
+            if k_round < 1:
+                mode, k_round = "none", 0
         t0 = time.perf_counter()
-        if mode == "none":
-            candidates, q, drafter_ids = [], [], []
-        else:
-            if mode == "slem":
-                draft = draft_strings(pair, drafter, k_round, eos, schedule.min_confidence)
-            else:
-                draft = draft_tokens(pair, drafter, k_round, params, g, eos, schedule.min_confidence)
-            # slem's re-tokenized text can hold more target tokens than the drafter wrote: keep what fits the target
-            room = _room(target_limit, len(target.ids))
-            candidates, q, drafter_ids = draft.candidates[:room], draft.q[:room], draft.drafter_ids[:room]
-            if draft.steps:
-                t_draft_step.append((time.perf_counter() - t0) / draft.steps)
-        t1 = time.perf_counter()
-        n_before = len(target.ids)
-        target.ids.extend(candidates)
-        logits = target.forward(keep=len(candidates) + 1)
-        t2 = time.perf_counter()
-        (t_verify if candidates else t_plain).append(t2 - t1)
-        if params.greedy:
-            accepted, token, kind = greedy_match(logits.argmax(-1).tolist(), candidates)
-        else:
-            p = probabilities(logits, params)
-            if mode == "slem" or not candidates:
-                gens = [position_generator(base_seed, len(generated) + i) for i in range(len(candidates) + 1)]
-                accepted, token, kind = exact_match(p, candidates, gens)
-            else:
-                accepted, token, kind = rejection_sampling(p, torch.stack(q), candidates, g)
-        if not candidates:
-            kind = "target"
-        target.truncate(n_before + accepted)
-        target.ids.append(token)
-        emitted_ids = candidates[:accepted] + [token]
+        draft, verdict, times = speculative_round(pair, target, drafter.ctx if drafter else None, mode, k_round,
+                                                  params, rng, answer.eos, schedule.min_confidence, len(answer.ids),
+                                                  target_room)  # fmt: skip
+        pieces = answer.commit(draft, verdict, tally.rounds)
+        if drafter is not None and drafter.ready and answer.stop_reason is None:
+            drafter.follow(answer)
+        round_s = time.perf_counter() - t0
+        tally.record(mode, len(draft.candidates), verdict.accepted, draft.steps, times.draft_s, times.verify_s)
+        schedule.observe(mode, k_round, len(draft.candidates), verdict.accepted, verdict.accepted + 1, round_s)
+        yield Round(index=tally.rounds - 1, k=k_round, pieces=tuple(pieces), drafted=len(draft.candidates),
+                    accepted=verdict.accepted, draft_s=times.draft_s, verify_s=times.verify_s,
+                    other_s=round_s - times.draft_s - times.verify_s, algorithm=mode, draft_steps=draft.steps,
+                    stats=stats())  # fmt: skip
 
-        # stop conditions: eos (not part of the text), max tokens (mid-round), stop strings
-        keep = len(emitted_ids)
-        for j, t in enumerate(emitted_ids):
-            if t in eos:
-                keep, stop_reason = j, "eos"
-                break
-            if len(generated) + j + 1 >= max_new_tokens:
-                keep, stop_reason = j + 1, "max_tokens"
-                break
-        pieces = []
-        new_bytes = b""
-        for j in range(keep):
-            t = emitted_ids[j]
-            new_bytes += bytes_of(tb, t)
-            text = piece_text.decode(bytes_of(tb, t))
-            kind_j = "accepted" if j < accepted else kind
-            dids = drafter_ids[j] if j < accepted else ()
-            pieces.append(Piece(text, kind_j, t, rounds, dids))
-            if stop_strings and any(s in _tail_text(committed + new_bytes, len(new_bytes), stop_strings)
-                                    for s in stop_strings):  # fmt: skip
-                keep, stop_reason = j + 1, "stop_string"
-                break
-        rejected = [Piece(bytes_of(tb, t).decode("utf-8", "replace"), "rejected", t, rounds, drafter_ids[j])
-                    for j, t in enumerate(candidates) if j >= accepted]  # fmt: skip
-        generated.extend(emitted_ids[:keep])
-        committed += new_bytes
-        accepted_in_text = min(accepted, keep)
-        pieces = pieces[:accepted_in_text] + rejected + pieces[accepted_in_text:keep]
-        drafted_total += len(candidates)
-        accepted_total += accepted
-        rounds += 1
-        by_algorithm[mode] = by_algorithm.get(mode, 0) + 1
-
-        if drafter_ready and stop_reason is None:
-            sync_drafter(pair, drafter, drafter_prompt_len, generated, committed)
-        t3 = time.perf_counter()
-        schedule.observe(mode, k_round, len(candidates), accepted, len(emitted_ids), t3 - t0)
-        yield Round(rounds - 1, k_round, tuple(pieces), len(candidates), accepted,
-                    t1 - t0, t2 - t1, t3 - t2, mode)  # fmt: skip
-
-    wall = time.perf_counter() - t_start
-    t_step = sum(t_plain) / len(t_plain) if t_plain else None
-    c = (sum(t_draft_step) / len(t_draft_step) / t_step) if (t_step and t_draft_step) else None
-    v = (sum(t_verify) / len(t_verify) / t_step) if (t_step and t_verify) else None
-    stats = Stats(algo, rounds, drafted_total, accepted_total, len(generated), wall, stop_reason, c, v,
-                  drafted_total / len(t_verify) if t_verify else 0.0, by_algorithm,
-                  target.forward_s + (drafter.forward_s if drafter is not None else 0.0),
-                  drafting_stopped)  # fmt: skip
-    text = pair.target_tokenizer.decode(generated, skip_special_tokens=False)
-    yield Finished(text, tuple(generated), stats)
+    text = pair.target_tokenizer.decode(answer.ids, skip_special_tokens=False)
+    yield Finished(text=text, target_ids=tuple(answer.ids), stats=stats())

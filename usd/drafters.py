@@ -28,6 +28,13 @@ class Draft:
     steps: int = 0
     """Drafter forwards spent."""
 
+    def fitted(self, room: int) -> Draft:
+        """At most `room` candidates: slem's re-tokenized text can hold more target tokens than the drafter wrote,
+        and the target must not be fed past its context."""
+        if len(self.candidates) <= room:
+            return self
+        return Draft(self.candidates[:room], self.q[:room], self.drafter_ids[:room], self.steps)
+
 
 def _confidence(logits: torch.Tensor) -> float:
     """The drafter's own top probability (temperature 1), whatever the user's settings."""

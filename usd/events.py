@@ -31,6 +31,10 @@ class Round:
     other_s: float
     algorithm: str = ""
     """What ran this round: none (a plain step), standard, tli or slem; `auto` picks one per round."""
+    draft_steps: int = 0
+    """Drafter forwards spent this round."""
+    stats: Stats | None = None
+    """The generation's numbers so far, computed as the final ones are (live equals final)."""
 
     @property
     def emitted(self) -> tuple[Piece, ...]:
@@ -58,6 +62,8 @@ class Stats:
     """Seconds inside model forwards (target and drafter, prefill included); the rest of wall_s is overhead."""
     drafting_stopped: str | None = None
     """Why drafting stopped before the answer ended (the drafter's context was full), in plain words; else None."""
+    step_s: float | None = None
+    """The target's mean plain step in seconds (the unit of c and v; None until a plain step has run)."""
 
     @property
     def acceptance_rate(self) -> float:
@@ -96,6 +102,7 @@ class Stats:
             "c": self.c, "v": self.v, "mean_k": self.mean_k, "theoretical_speedup": self.theoretical_speedup,
             "rounds_by_algorithm": dict(self.rounds_by_algorithm), "forward_s": self.forward_s,
             "overhead_share": self.overhead_share, "drafting_stopped": self.drafting_stopped,
+            "step_s": self.step_s,
         }  # fmt: skip
 
 

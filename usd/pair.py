@@ -68,6 +68,13 @@ class Context:
         return logits
 
 
+def open_context(model, ids: list[int]):
+    """A decoding context (ids, KV cache, `forward`, `truncate`) on whichever runner loaded the model: a model object
+    that brings its own (`new_context`) gets that, a transformers model gets `Context`."""
+    new_context = getattr(model, "new_context", None)
+    return new_context(ids) if new_context is not None else Context(model, ids)
+
+
 def bytes_of(tb: TokenizerBytes, i: int) -> bytes:
     b = tb.bytes_of.get(i)
     return b if b is not None else tb.specials.get(i, "").encode()

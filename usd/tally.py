@@ -1,0 +1,43 @@
+"""The running counts of one generation. Every Round and the Finished event carry `Tally.stats()`, so what the live
+panel shows during a generation is computed exactly as the final numbers are."""
+
+from __future__ import annotations
+
+import time
+
+from .events import Stats
+
+
+def _mean(xs: list[float]) -> float | None:
+    return sum(xs) / len(xs) if xs else None
+
+
+class Tally:
+    def __init__(self, algorithm: str):
+        self.algorithm = algorithm
+        self.started = time.perf_counter()
+        self.rounds = self.drafted = self.accepted = 0
+        self.by_algorithm: dict[str, int] = {}
+        self.step_s: list[float] = []
+        """Plain target steps: the unit of c and v."""
+        self.verify_s: list[float] = []
+        self.draft_step_s: list[float] = []
+
+    def record(self, mode: str, drafted: int, accepted: int, draft_steps: int, draft_s: float, verify_s: float):
+        self.rounds += 1
+        self.drafted += drafted
+        self.accepted += accepted
+        self.by_algorithm[mode] = self.by_algorithm.get(mode, 0) + 1
+        (self.verify_s if drafted else self.step_s).append(verify_s)
+        if draft_steps:
+            self.draft_step_s.append(draft_s / draft_steps)
+
+    def stats(self, tokens: int, stop_reason: str | None, forward_s: float, drafting_stopped: str | None) -> Stats:
+        step = _mean(self.step_s)
+        c = _mean(self.draft_step_s) / step if step and self.draft_step_s else None
+        v = _mean(self.verify_s) / step if step and self.verify_s else None
+        return Stats(algorithm=self.algorithm, rounds=self.rounds, drafted=self.drafted, accepted=self.accepted,
+                     tokens=tokens, wall_s=time.perf_counter() - self.started, stop_reason=stop_reason, c=c, v=v,
+                     mean_k=self.drafted / len(self.verify_s) if self.verify_s else 0.0,
+                     rounds_by_algorithm=dict(self.by_algorithm), forward_s=forward_s,
+                     drafting_stopped=drafting_stopped, step_s=step)  # fmt: skip
