@@ -70,6 +70,8 @@ class Live:
     started: float = field(default_factory=time.perf_counter)
     pieces: list[Piece] = field(default_factory=list)
     k: int = 0
+    expected_speedup: float | None = None
+    """What auto's cost model expected of the last round's (algorithm, k), against plain decoding."""
     stats: Stats | None = None
     chart: list[dict] = field(default_factory=list)
     finished: Finished | None = None
@@ -81,6 +83,7 @@ class Live:
             return
         self.pieces.extend(event.pieces)
         self.k = event.k
+        self.expected_speedup = event.expected_speedup
         emitted = len([p for p in event.emitted if p.target_id is not None])
         self.chart.append({"round": event.index, "series": "accepted", "tokens": event.accepted})
         self.chart.append({"round": event.index, "series": "emitted", "tokens": emitted})
@@ -98,12 +101,12 @@ class Live:
             return {"tokens_per_s": 0.0, "acceptance_rate": None, "tokens_per_round": 0.0, "k": self.k, "mean_k": None,
                     "c": None, "v": None, "theoretical_speedup": None, "tokens": 0, "rounds": 0,
                     "wall_s": self.elapsed, "stop_reason": None, "measured_speedup": None,
-                    "speedup_basis": None}  # fmt: skip
+                    "speedup_basis": None, "expected_speedup": None}  # fmt: skip
         out = {"tokens_per_s": s.tokens_per_s, "acceptance_rate": s.acceptance_rate if s.drafted else None,
                "tokens_per_round": s.tokens_per_round, "k": self.k, "mean_k": s.mean_k, "c": s.c, "v": s.v,
                "theoretical_speedup": s.theoretical_speedup, "tokens": s.tokens, "rounds": s.rounds,
                "wall_s": s.wall_s, "stop_reason": s.stop_reason, "measured_speedup": None,
-               "speedup_basis": None}  # fmt: skip
+               "speedup_basis": None, "expected_speedup": self.expected_speedup}  # fmt: skip
         plain_rounds = s.rounds_by_algorithm.get("none", 0)
         if self.baseline_tokens_per_s and s.tokens_per_s:
             out["measured_speedup"] = s.tokens_per_s / self.baseline_tokens_per_s
@@ -144,6 +147,7 @@ def stats_html(n: dict, algorithm: str) -> str:
         ("drafter cost c", _fmt(n.get("c"), ".2f")),
         ("verify cost v", _fmt(n.get("v"), ".2f")),
         ("theoretical speedup", _fmt(n.get("theoretical_speedup"), ".2f", "x")),
+        ("expected speedup at this k", _fmt(n.get("expected_speedup"), ".2f", "x")),
         ("measured speedup", _fmt(n.get("measured_speedup"), ".2f", "x")
          + (f" <small>({n['speedup_basis']})</small>" if n.get("speedup_basis") else "")),
         ("tokens · rounds · seconds", f"{n.get('tokens', 0)} · {n.get('rounds', 0)} · {_fmt(n.get('wall_s'), '.1f')}"),

@@ -1,38 +1,95 @@
-"""auto's schedule on made-up costs: it tries every mode, settles on the cheapest, keeps probing the others with a
-growing gap, switches when the costs change, and adapts k. No models needed."""
+"""auto's schedule and cost model in made-up worlds: every mode is tried, the model picks the (mode, k) the formula
+says, it decodes plainly where every k loses and probes the others with a growing wait, switches when the world
+changes, and remembers across generations. No models needed."""
 
 from __future__ import annotations
 
 import itertools
+import random
+from dataclasses import dataclass, field
 from types import SimpleNamespace
 
-from usd.schedule import K_MAX, K_START, MIN_TRIES, PROBE_EVERY, Schedule
+import pytest
+
+from usd.schedule import K_MAX, K_START, MIN_TRIES, PROBE_EVERY, CostModel, Schedule, tau
 
 
 def fake_pair(same_tokenizer=False):
     return SimpleNamespace(same_tokenizer=same_tokenizer, memory={})
 
 
-def drive(schedule, cost_per_token, rounds):
-    """Run `rounds` rounds where mode m emits 2 tokens at cost_per_token[m] seconds each; return the modes chosen."""
-    chosen = []
-    for _ in range(rounds):
+@dataclass
+class World:
+    """A machine and a pair: the target's forward over n positions costs verify(n) seconds, a drafter step
+    `draft[mode]` seconds, and each drafted token is accepted with probability `alpha[mode]`."""
+
+    alpha: dict
+    draft: dict
+    verify: object = lambda n: 1.0 + 0.05 * (n - 1)
+    rng: random.Random = field(default_factory=lambda: random.Random(0))
+
+    def round(self, schedule: Schedule) -> tuple[str, int]:
         mode, k = schedule.next()
-        chosen.append(mode)
-        schedule.observe(mode, k, 0 if mode == "none" else k, 1, 2, 2 * cost_per_token[mode])
-    return chosen
+        if mode == "none":
+            schedule.observe(mode, 0, 0, 0, 1, self.verify(1), verify_s=self.verify(1))
+            return mode, k
+        accepted = 0
+        while accepted < k and self.rng.random() < self.alpha[mode]:
+            accepted += 1
+        draft_s, verify_s = k * self.draft[mode], self.verify(k + 1)
+        schedule.observe(mode, k, k, accepted, accepted + 1, draft_s + verify_s, draft_s=draft_s, draft_steps=k,
+                         verify_s=verify_s)  # fmt: skip
+        return mode, k
+
+    def run(self, schedule: Schedule, rounds: int) -> list[tuple[str, int]]:
+        return [self.round(schedule) for _ in range(rounds)]
+
+
+def best_by_formula(world: World, mode: str) -> tuple[int, float]:
+    rates = {k: tau(world.alpha[mode], k) / (k * world.draft[mode] + world.verify(k + 1)) for k in range(1, K_MAX + 1)}
+    k = max(rates, key=rates.get)
+    return k, rates[k]
+
+
+PAYS = dict(alpha={"tli": 0.8, "slem": 0.6}, draft={"tli": 0.1, "slem": 0.1})
+LOSES = dict(alpha={"tli": 0.4, "slem": 0.3}, draft={"tli": 0.45, "slem": 0.45}, verify=lambda n: 0.9 * n + 0.1)
 
 
 def test_probe_round_first_then_every_mode_is_tried():
-    s = Schedule(fake_pair(), "auto", 4)
-    chosen = drive(s, {"none": 1.0, "tli": 2.0, "slem": 3.0}, 1 + 3 * MIN_TRIES)
+    chosen = [m for m, _ in World(**PAYS).run(Schedule(fake_pair(), "auto", "auto"), 1 + 3 * MIN_TRIES)]
     assert chosen[0] == "none"
     assert all(chosen.count(m) >= MIN_TRIES for m in ("none", "tli", "slem"))
 
 
-def test_falls_back_to_plain_when_speculation_loses_and_probes_less_and_less():
-    s = Schedule(fake_pair(), "auto", 4)
-    chosen = drive(s, {"none": 1.0, "tli": 1.5, "slem": 1.3}, 400)
+def test_the_cost_model_picks_the_k_the_formula_says():
+    model = CostModel({})
+    world = World(alpha={"tli": 0.7}, draft={"tli": 0.08}, verify=lambda n: 1.0 + 0.12 * (n - 1) ** 1.3)
+    for n in range(1, K_MAX + 2):  # every length measured once, exactly
+        model.observe("none" if n == 1 else "tli", n - 1, 0, 0.0, 0, world.verify(n), 0.0)
+    for _ in range(200):  # acceptance: 70% of tested positions
+        model.observe("tli", 0, 0, 0.0, 0, world.verify(1), 0.0)
+    model.modes["tli"]["hits"] = [0.7, 1.0]
+    model.modes["tli"]["draft"] = [0.08, 1.0]
+    model.modes["tli"]["other"] = [0.0, 1.0]
+    k, rate = model.best_k("tli")
+    assert (k, rate) == (best_by_formula(world, "tli")[0], pytest.approx(best_by_formula(world, "tli")[1]))
+    assert model.expected_speedup("tli", k) == pytest.approx(rate * world.verify(1))
+
+
+def test_speculates_at_the_best_k_where_it_pays():
+    s = Schedule(fake_pair(), "auto", "auto")
+    chosen = World(**PAYS).run(s, 300)[100:]
+    assert [m for m, _ in chosen].count("tli") / len(chosen) > 0.85
+    k_best, _ = best_by_formula(World(**PAYS), "tli")
+    ks = [k for m, k in chosen if m == "tli"]
+    assert abs(sorted(ks)[len(ks) // 2] - k_best) <= 1
+    assert s.expected_speedup is None or s.expected_speedup > 0
+
+
+def test_falls_back_to_plain_when_every_k_loses_and_probes_less_and_less():
+    world = World(**LOSES)
+    assert all(best_by_formula(world, m)[1] < 1 / world.verify(1) for m in ("tli", "slem"))  # every k loses
+    chosen = [m for m, _ in world.run(Schedule(fake_pair(), "auto", "auto"), 600)]
     settled = chosen[1 + 3 * MIN_TRIES :]
     assert settled.count("none") / len(settled) > 0.97
     for algorithm in ("tli", "slem"):
@@ -43,46 +100,37 @@ def test_falls_back_to_plain_when_speculation_loses_and_probes_less_and_less():
 
 def test_switches_to_the_algorithm_that_wins_and_back():
     pair = fake_pair()
-    s = Schedule(pair, "auto", 4)
-    chosen = drive(s, {"none": 1.0, "tli": 0.5, "slem": 0.8}, 60)
+    s = Schedule(pair, "auto", "auto")
+    chosen = [m for m, _ in World(**PAYS).run(s, 120)]
     assert chosen[-20:].count("tli") >= 18
     # later the drafter stops paying (say the text changed): auto notices at the next probes and goes plain
-    chosen = drive(s, {"none": 1.0, "tli": 3.0, "slem": 3.0}, 80)
+    chosen = [m for m, _ in World(**LOSES).run(s, 200)]
     assert chosen[-20:].count("none") >= 18
 
 
 def test_memory_carries_over_to_the_next_generation_of_the_pair():
     pair = fake_pair()
-    drive(Schedule(pair, "auto", 4), {"none": 1.0, "tli": 0.5, "slem": 0.8}, 40)
-    chosen = drive(Schedule(pair, "auto", 4), {"none": 1.0, "tli": 0.5, "slem": 0.8}, 6)
+    World(**PAYS).run(Schedule(pair, "auto", "auto"), 60)
+    chosen = [m for m, _ in World(**PAYS).run(Schedule(pair, "auto", "auto"), 6)]
     assert chosen[0] == "none" and chosen[1:] == ["tli"] * 5  # no re-exploration after the probe step
 
 
 def test_identical_tokenizers_choose_between_plain_and_standard():
-    s = Schedule(fake_pair(same_tokenizer=True), "auto", 4)
-    assert set(drive(s, {"none": 1.0, "standard": 0.5}, 30)) == {"none", "standard"}
+    world = World(alpha={"standard": 0.8}, draft={"standard": 0.1})
+    assert {m for m, _ in world.run(Schedule(fake_pair(same_tokenizer=True), "auto", 4), 30)} == {"none", "standard"}
 
 
 def test_fixed_algorithm_and_k_stay_fixed():
-    s = Schedule(fake_pair(), "slem", 3)
-    chosen = []
-    for _ in range(10):
-        mode, k = s.next()
-        chosen.append((mode, k))
-        s.observe(mode, k, k, 0, 1, 1.0)
+    chosen = World(**LOSES).run(Schedule(fake_pair(), "slem", 3), 10)
     assert chosen[0] == ("none", 0) and set(chosen[1:]) == {("slem", 3)}
 
 
-def test_adaptive_k_grows_on_full_acceptance_and_shrinks_on_none():
+def test_adaptive_k_starts_at_k_start_then_follows_the_model():
     s = Schedule(fake_pair(), "tli", "auto", probe_first=False)
     assert s.min_confidence > 0
-    ks = []
-    for _ in range(K_MAX + 2):
-        mode, k = s.next()
-        ks.append(k)
-        s.observe(mode, k, k, k, k + 1, 1.0)  # everything accepted
-    assert ks[0] == K_START and max(ks) == K_MAX and ks == sorted(ks)
-    for _ in range(K_MAX + 2):
-        mode, k = s.next()
-        s.observe(mode, k, k, 0, 1, 1.0)  # nothing accepted
-    assert s.next()[1] == 1
+    generous = World(alpha={"tli": 0.97}, draft={"tli": 0.02})
+    ks = [k for _, k in generous.run(s, 40)]
+    assert ks[:MIN_TRIES] == [K_START] * MIN_TRIES and ks[-1] == best_by_formula(generous, "tli")[0] == K_MAX
+    stingy = World(alpha={"tli": 0.1}, draft={"tli": 0.3})
+    ks = [k for _, k in stingy.run(s, 60)]
+    assert ks[-1] == 1

@@ -271,6 +271,7 @@ def stream(
             answer.stop_reason = "cancelled"
             break
         mode, k_round = schedule.next()
+        expected = schedule.expected_speedup
         target_room = _room(pair.context_length, len(target.ids))  # the verify positions must fit the target too
         if mode != "none":
             k_round = min(k_round, target_room, drafter.room(answer))
@@ -285,11 +286,12 @@ def stream(
             drafter.follow(answer)
         round_s = time.perf_counter() - t0
         tally.record(mode, len(draft.candidates), verdict.accepted, draft.steps, times.draft_s, times.verify_s)
-        schedule.observe(mode, k_round, len(draft.candidates), verdict.accepted, verdict.accepted + 1, round_s)
+        schedule.observe(mode, k_round, len(draft.candidates), verdict.accepted, verdict.accepted + 1, round_s,
+                         draft_s=times.draft_s, draft_steps=draft.steps, verify_s=times.verify_s)
         yield Round(index=tally.rounds - 1, k=k_round, pieces=tuple(pieces), drafted=len(draft.candidates),
                     accepted=verdict.accepted, draft_s=times.draft_s, verify_s=times.verify_s,
                     other_s=round_s - times.draft_s - times.verify_s, algorithm=mode, draft_steps=draft.steps,
-                    stats=stats())  # fmt: skip
+                    stats=stats(), expected_speedup=expected if mode != "none" else None)  # fmt: skip
 
     text = pair.target_tokenizer.decode(answer.ids, skip_special_tokens=False)
     yield Finished(text=text, target_ids=tuple(answer.ids), stats=stats())

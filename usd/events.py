@@ -35,6 +35,8 @@ class Round:
     """Drafter forwards spent this round."""
     stats: Stats | None = None
     """The generation's numbers so far, computed as the final ones are (live equals final)."""
+    expected_speedup: float | None = None
+    """What auto's cost model expected of this round's (algorithm, k) against plain decoding, when it could tell."""
 
     @property
     def emitted(self) -> tuple[Piece, ...]:

@@ -1,14 +1,23 @@
-"""Which algorithm and draft length each round uses, learned from the rounds so far (DESIGN.md section 3).
+"""Which algorithm and draft length each round uses: the ones a cost model, fed by the rounds so far, expects to emit
+the most tokens per second (docs/design.md, "auto").
 
-A fixed algorithm keeps its algorithm; with `draft_tokens="auto"` its k still adapts. `auto` measures instead of
-guessing: every mode it may use (plain decoding, and standard, or tli and slem) keeps a running cost in seconds per
-emitted token, the cheapest mode wins, and the others are probed now and then so a change (a code block where the
-drafter shines, a paragraph where it does not) is noticed. Measured cost already holds alpha, c, v and the loop's
-own overhead, so auto falls back to plain decoding exactly when speculation loses on this machine. The costs live
-in `pair.memory` and carry over to the next generation of the pair; the draft length adapts within a generation.
-Under sampling with a seed, auto picks between plain decoding and slem only: the seed fixes their answer whatever
-the schedule does (see `sampling.position_generator`), while tli's rejection sampling draws depend on where rounds
-were cut.
+A round of mode m with draft length k costs k drafter steps, one target forward over k + 1 positions and the loop's
+own work, and emits tau(alpha_m, k) = (1 - alpha^(k+1)) / (1 - alpha) tokens on average; a plain step costs one
+target step and emits one. So the expected rate is
+
+    rate(m, k) = tau(alpha_m, k) / (k d_m + V(k + 1) + o_m)          plain: 1 / (V(1) + o_none)
+
+with d_m the drafter's step time, V(n) the target's forward time over n positions and o_m the rest of a round, each
+a running (decayed) mean of what this machine measured, never an assumption of flat or linear cost: V(n) is read
+where measured, interpolated between measured lengths, and extrapolated along the last measured slope beyond them.
+Each round takes the (mode, k) of the highest rate; when no k beats plain decoding, auto decodes plainly and only
+probes the others now and then, with a growing wait, so where speculation cannot pay it costs almost nothing.
+
+Modes a generation may use: a fixed algorithm keeps its algorithm (its k still follows the model when
+`draft_tokens="auto"`); `auto` chooses among plain decoding and standard, or tli and slem. Under sampling with a seed,
+auto picks between plain decoding and slem only: the seed fixes their answer whatever the schedule does (see
+`sampling.position_generator`), while tli's rejection-sampling draws depend on where rounds were cut. The estimates
+live in `pair.memory` and carry over to the next generation of the pair.
 
 Choosing a mode or a length from past rounds only (never from the token about to be verified) keeps the output
 lossless: every round emits tokens distributed as the target's, whatever it was told to do.
@@ -17,17 +26,118 @@ lossless: every round emits tokens distributed as the target's, whatever it was 
 from __future__ import annotations
 
 K_START = 4
+"""The draft length a mode is first tried at, before anything is known about it."""
 K_MAX = 8
 MIN_TRIES = 3
-"""Rounds a mode gets before it can be judged."""
+"""Rounds a mode gets before the model judges it."""
 PROBE_EVERY = 16
-"""A mode that is not the cheapest is still tried after this many rounds; each probe that finds it still losing
-doubles its wait (up to PROBE_MAX), so a pair where speculation never pays costs almost nothing to keep watching."""
+"""A mode that is not the best is still tried after this many rounds; each probe that finds it still losing doubles
+its wait (up to PROBE_MAX), so a pair where speculation never pays costs almost nothing to keep watching."""
 PROBE_MAX = 256
 DECAY = 0.85
-"""Weight of the past in the running cost: about the last seven rounds count."""
+"""Weight of the past in the running means of times: about the last seven observations count."""
+ALPHA_DECAY = 0.97
+"""The same for acceptance, counted per tested position: about the last thirty count (fewer make k jump around)."""
 MIN_CONFIDENCE = 0.25
 """With adaptive k, stop a draft when the drafter's own top probability falls below this."""
+
+
+def tau(alpha: float, k: int) -> float:
+    """Expected tokens a round emits with k drafted at i.i.d. acceptance alpha (Leviathan et al.)."""
+    return k + 1.0 if alpha >= 1.0 else (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
+
+
+class Mean:
+    """A decayed running mean kept as [sum, weight] in a JSON-friendly list (it lives in pair.memory)."""
+
+    @staticmethod
+    def add(cell: list, x: float, decay: float = DECAY) -> None:
+        cell[0] = decay * cell[0] + x
+        cell[1] = decay * cell[1] + 1.0
+
+    @staticmethod
+    def of(cell: list | None) -> float | None:
+        return cell[0] / cell[1] if cell and cell[1] > 0 else None
+
+
+class CostModel:
+    """What this machine measured for this pair: V(n), and per mode the drafter step, overhead and acceptance."""
+
+    def __init__(self, memory: dict):
+        self.verify = memory.setdefault("verify", {})  # str(n) -> [sum, weight] seconds for a forward over n
+        self.modes = memory.setdefault("modes", {})  # mode -> {"draft", "other", "hits", "trials", "rounds"}
+
+    def _mode(self, mode: str) -> dict:
+        return self.modes.setdefault(mode, {"draft": [0.0, 0.0], "other": [0.0, 0.0], "hits": [0.0, 0.0],
+                                            "rounds": 0})  # fmt: skip
+
+    def observe(self, mode: str, drafted: int, accepted: int, draft_s: float, draft_steps: int, verify_s: float,
+                other_s: float) -> None:  # fmt: skip
+        Mean.add(self.verify.setdefault(str(drafted + 1), [0.0, 0.0]), verify_s)
+        m = self._mode(mode)
+        m["rounds"] += 1
+        Mean.add(m["other"], max(0.0, other_s))
+        if draft_steps:
+            for _ in range(draft_steps):
+                Mean.add(m["draft"], draft_s / draft_steps)
+        if drafted:
+            # acceptance as the verifier saw it: the candidates after the first rejection were never tested
+            tested = accepted + (1 if accepted < drafted else 0)
+            for i in range(tested):
+                Mean.add(m["hits"], 1.0 if i < accepted else 0.0, ALPHA_DECAY)
+
+    def rounds(self, mode: str) -> int:
+        return self.modes.get(mode, {}).get("rounds", 0)
+
+    def alpha(self, mode: str) -> float | None:
+        return Mean.of(self.modes.get(mode, {}).get("hits"))
+
+    def V(self, n: int) -> float | None:
+        """The target's forward over n positions: measured, interpolated, or extrapolated along the last slope."""
+        known = sorted((int(key), Mean.of(cell)) for key, cell in self.verify.items() if Mean.of(cell) is not None)
+        if not known:
+            return None
+        exact = dict(known)
+        if n in exact:
+            return exact[n]
+        below = [(a, t) for a, t in known if a < n]
+        above = [(a, t) for a, t in known if a > n]
+        if below and above:
+            (a, ta), (b, tb) = below[-1], above[0]
+            return ta + (tb - ta) * (n - a) / (b - a)
+        if len(known) == 1:
+            a, ta = known[0]
+            return ta * n / a  # one length known: proportional, the cautious guess until another is measured
+        (a, ta), (b, tb) = (known[-2], known[-1]) if below else (known[0], known[1])
+        slope = max(0.0, (tb - ta) / (b - a))
+        return tb + slope * (n - b) if below else max(0.0, ta - slope * (a - n))
+
+    def round_cost(self, mode: str, k: int) -> float | None:
+        verify = self.V(k + 1)
+        m = self.modes.get(mode)
+        if verify is None or m is None:
+            return None
+        return k * (Mean.of(m["draft"]) or 0.0) + verify + (Mean.of(m["other"]) or 0.0)
+
+    def rate(self, mode: str, k: int) -> float | None:
+        """Expected emitted tokens per second of (mode, k); mode "none" is plain decoding (k = 0)."""
+        if mode == "none":
+            cost = self.round_cost("none", 0)
+            return 1.0 / cost if cost else None
+        alpha, cost = self.alpha(mode), self.round_cost(mode, k)
+        return tau(alpha, k) / cost if alpha is not None and cost else None
+
+    def best_k(self, mode: str, k_max: int = K_MAX) -> tuple[int, float | None]:
+        rates = [(self.rate(mode, k), k) for k in range(1, k_max + 1)]
+        known = [(r, k) for r, k in rates if r is not None]
+        if not known:
+            return K_START, None
+        rate, k = max(known, key=lambda rk: (rk[0], -rk[1]))  # the shorter draft on a tie
+        return k, rate
+
+    def expected_speedup(self, mode: str, k: int) -> float | None:
+        plain, rate = self.rate("none", 0), self.rate(mode, k)
+        return rate / plain if plain and rate else None
 
 
 class Schedule:
@@ -45,48 +155,54 @@ class Schedule:
         self.probe_first = probe_first
         self.round = 0
         memory = pair.memory.setdefault("schedule", {})
-        self.cost = memory.setdefault("cost", {})  # mode -> [decayed seconds, decayed tokens, rounds]
-        # mode -> draft length that is paying off; per generation, so a seeded sample does not depend on the last one
-        self.k: dict[str, int] = {}
+        self.model = CostModel(memory)
         self.gap = memory.setdefault("gap", {})  # mode -> rounds to wait before probing it again
         # rounds since each mode last ran, counted across generations: a probe costs a drafter prefill and catch-up,
         # so restarting the count per generation would probe in every answer
         self.since = memory.setdefault("since", {})
         for m in self.modes:
             self.since.setdefault(m, 0)
+        self.expected_speedup: float | None = None
+        """What the model expects of the round just chosen, against plain decoding (None until it can tell)."""
+
+    def k_for(self, mode: str) -> int:
+        if mode == "none":
+            return 0
+        if self.k_fixed is not None:
+            return self.k_fixed
+        return self.model.best_k(mode)[0] if self.model.rounds(mode) >= MIN_TRIES else K_START
 
     def per_token(self, mode: str) -> float:
-        s, t, _ = self.cost.get(mode, (0.0, 0.0, 0))
-        return s / t if t else float("inf")
+        """Expected seconds per emitted token of a mode at its best k (inf while it is unknown)."""
+        rate = self.model.rate(mode, self.k_for(mode))
+        return 1.0 / rate if rate else float("inf")
 
     def next(self) -> tuple[str, int]:
         """(algorithm, k) for the coming round; ("none", 0) is a plain target step."""
         if self.round == 0 and self.probe_first:
-            return "none", 0
-        mode = self.modes[0] if len(self.modes) == 1 else self._choose()
-        if mode == "none":
-            return mode, 0
-        return mode, self.k_fixed if self.k_fixed is not None else self.k.get(mode, K_START)
+            mode = "none"
+        else:
+            mode = self.modes[0] if len(self.modes) == 1 else self._choose()
+        k = self.k_for(mode)
+        self.expected_speedup = 1.0 if mode == "none" else self.model.expected_speedup(mode, k)
+        return mode, k
 
     def _choose(self) -> str:
-        untried = [m for m in self.modes if self.cost.get(m, (0, 0, 0))[2] < MIN_TRIES]
+        untried = [m for m in self.modes if self.model.rounds(m) < MIN_TRIES]
         if untried:
-            return min(untried, key=lambda m: self.cost.get(m, (0, 0, 0))[2])
+            return min(untried, key=self.model.rounds)
         best = min(self.modes, key=self.per_token)
         overdue = [m for m in self.modes if m != best and self.since[m] >= self.gap.get(m, PROBE_EVERY)]
         return max(overdue, key=lambda m: self.since[m]) if overdue else best
 
-    def observe(self, mode: str, k: int, drafted: int, accepted: int, emitted: int, seconds: float) -> None:
+    def observe(self, mode: str, k: int, drafted: int, accepted: int, emitted: int, seconds: float, *,
+                draft_s: float = 0.0, draft_steps: int = 0, verify_s: float | None = None) -> None:  # fmt: skip
+        """What the round cost and kept. Without the split of its time, all of it counts as the target forward."""
         self.round += 1
         for m in self.modes:
             self.since[m] = 0 if m == mode else self.since[m] + 1
-        s, t, n = self.cost.get(mode, (0.0, 0.0, 0))
-        self.cost[mode] = [DECAY * s + seconds, DECAY * t + emitted, n + 1]
-        if len(self.modes) > 1 and n + 1 >= MIN_TRIES:
+        verify_s = seconds - draft_s if verify_s is None else verify_s
+        self.model.observe(mode, drafted, accepted, draft_s, draft_steps, verify_s, seconds - draft_s - verify_s)
+        if len(self.modes) > 1 and self.model.rounds(mode) >= MIN_TRIES:
             best = min(self.modes, key=self.per_token)
             self.gap[mode] = PROBE_EVERY if mode == best else min(PROBE_MAX, 2 * self.gap.get(mode, PROBE_EVERY // 2))
-        if self.adaptive_k and mode != "none" and k > 0:
-            if drafted and accepted == drafted:
-                self.k[mode] = min(K_MAX, k + 1)
-            elif accepted == 0:
-                self.k[mode] = max(1, k - 1)
