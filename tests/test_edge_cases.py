@@ -1,4 +1,4 @@
-"""The edge cases of DESIGN.md section 7, each forced deterministically and each checked for losslessness.
+"""The edge cases of docs/design.md, section 10, each forced deterministically and each checked for losslessness.
 
 Proven here, for tli and slem (and plain decoding where it applies), greedy in float32 on CPU:
 - the drafter proposes end-of-sequence: accepted (generation stops, "eos") or rejected (shown struck out, the target

@@ -1,4 +1,4 @@
-"""Turning a prompt or a conversation into token ids for each model (DESIGN.md section 5).
+"""Turning a prompt or a conversation into token ids for each model (docs/design.md, section 7).
 
 The target always gets its own chat template. The drafter gets one of two renderings of the same conversation:
 `own` (its own chat template, or plain text for a base model) or `stripped` (the target's rendered text with the

@@ -1,4 +1,4 @@
-"""Expected speedup of speculative decoding (Leviathan et al. 2023), in the notation of DESIGN.md section 2."""
+"""Expected speedup of speculative decoding (Leviathan et al. 2023), in the notation of docs/design.md, section 2."""
 
 from __future__ import annotations
 
