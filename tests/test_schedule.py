@@ -134,3 +134,10 @@ def test_adaptive_k_starts_at_k_start_then_follows_the_model():
     stingy = World(alpha={"tli": 0.1}, draft={"tli": 0.3})
     ks = [k for _, k in stingy.run(s, 60)]
     assert ks[-1] == 1
+
+
+def test_a_seeded_rejection_sampling_run_drafts_a_length_no_timing_can_change():
+    """A seed must fix tli's sample, and its draws depend on where rounds are cut: k may not follow wall-clock times."""
+    s = Schedule(fake_pair(), "tli", "auto", probe_first=False, seeded_sampling=True)
+    generous = World(alpha={"tli": 0.97}, draft={"tli": 0.02})
+    assert {k for _, k in generous.run(s, 30)} == {K_START} and s.min_confidence > 0

@@ -16,7 +16,8 @@ probes the others now and then, with a growing wait, so where speculation cannot
 Modes a generation may use: a fixed algorithm keeps its algorithm (its k still follows the model when
 `draft_tokens="auto"`); `auto` chooses among plain decoding and standard, or tli and slem. Under sampling with a seed,
 auto picks between plain decoding and slem only: the seed fixes their answer whatever the schedule does (see
-`sampling.position_generator`), while tli's rejection-sampling draws depend on where rounds were cut. The estimates
+`sampling.position_generator`), while tli's rejection-sampling draws depend on where rounds were cut; for the same
+reason a seeded tli or standard with adaptive k drafts K_START tokens a round rather than what timings suggest. The estimates
 live in `pair.memory` and carry over to the next generation of the pair.
 
 Choosing a mode or a length from past rounds only (never from the token about to be verified) keeps the output
@@ -151,6 +152,11 @@ class Schedule:
             self.modes = ["none", "standard"] if pair.same_tokenizer else ["none", "tli", "slem"]
         self.adaptive_k = k == "auto"
         self.k_fixed = None if self.adaptive_k else int(k)
+        if self.adaptive_k and seeded_sampling and algorithm in ("tli", "standard"):
+            # Rejection sampling's draws depend on where rounds are cut, and the model's k on wall-clock times: a
+            # seed must still fix the sample, so these draft a fixed length (the confidence stop stays: it depends
+            # on the drafter's logits only).
+            self.k_fixed = K_START
         self.min_confidence = MIN_CONFIDENCE if self.adaptive_k else 0.0
         self.probe_first = probe_first
         self.round = 0
