@@ -17,8 +17,8 @@ Modes a generation may use: a fixed algorithm keeps its algorithm (its k still f
 `draft_tokens="auto"`); `auto` chooses among plain decoding and standard, or tli and slem. Under sampling with a seed,
 auto picks between plain decoding and slem only: the seed fixes their answer whatever the schedule does (see
 `sampling.position_generator`), while tli's rejection-sampling draws depend on where rounds were cut; for the same
-reason a seeded tli or standard with adaptive k drafts K_START tokens a round rather than what timings suggest. The estimates
-live in `pair.memory` and carry over to the next generation of the pair.
+reason a seeded tli or standard with adaptive k drafts K_START tokens a round rather than what timings suggest.
+The estimates live in `pair.memory` and carry over to the next generation of the pair.
 
 Choosing a mode or a length from past rounds only (never from the token about to be verified) keeps the output
 lossless: every round emits tokens distributed as the target's, whatever it was told to do.
