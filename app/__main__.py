@@ -6,6 +6,8 @@ import argparse
 import os
 import sys
 
+from usd.settings import PRECISIONS
+
 
 def create(target: str | None = None, drafter: str | None = None, space: bool | None = None,
            device: str | None = None, precision: str | None = None, log=print):  # fmt: skip
@@ -45,8 +47,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--target", help="target model (catalog name, local path or hub id); default: the catalog's")
     parser.add_argument("--drafter", help="drafter model; default: the catalog's")
     parser.add_argument("--device", choices=["cpu", "cuda"], help="default: cuda when available")
-    parser.add_argument("--precision", choices=["nf4", "int8", "bf16", "fp16", "fp32"],
-                        help="default: the catalog's choice for the device")
+    parser.add_argument("--precision", choices=PRECISIONS, help="default: the catalog's choice for the device")
     parser.add_argument("--space", action="store_true", default=None,
                         help="Space mode: only the catalog models the Space serves (USD_CHAT_SPACE_MODELS), no local "
                         "paths (also USD_CHAT_SPACE=1)")

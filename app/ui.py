@@ -6,12 +6,14 @@ It only consumes what `usd` yields: `usd.stream`'s Rounds and Finished, turned i
 from __future__ import annotations
 
 import contextlib
-import math
+import functools
+import inspect
 import queue
 import random
 import threading
 from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
 
 import gradio as gr
 import pandas as pd
@@ -19,16 +21,15 @@ import pandas as pd
 from usd import api
 from usd.chat import check_prompt
 from usd.loading import LoadError
+from usd.settings import ALGORITHMS, DRAFT_TOKENS_MAX, MAX_NEW_TOKENS_MAX, GenerationSettings
 
 from . import render
 from .pairs import Pairs
 from .space import gpu
 
-ALGORITHM_CHOICES = ["auto", "tli", "slem", "standard", "none"]
-DRAFT_CHOICES = ["auto"] + [str(k) for k in range(1, 17)]
-MAX_NEW_TOKENS_LIMIT = 4096
-DEFAULTS = {"algorithm": "auto", "draft_tokens": "auto", "temperature": 0.0, "top_p": 1.0, "top_k": 0, "seed": None,
-            "max_new_tokens": 256}  # fmt: skip
+DRAFT_CHOICES = ["auto"] + [str(k) for k in range(1, DRAFT_TOKENS_MAX + 1)]
+DEFAULT = GenerationSettings()
+"""The settings' defaults, for the widgets and the API endpoints' signatures."""
 CSS_PATH = Path(__file__).resolve().parent.parent / "assets" / "app.css"
 STOPPED = " [stopped]"
 """Marks an answer cut short by Stop in the chat; taken off again before the chat goes back to the models."""
@@ -42,69 +43,14 @@ class InputError(ValueError):
     """A setting the user can fix; shown as is."""
 
 
-def settings(algorithm, draft_tokens, temperature, top_p, top_k, seed, max_new_tokens) -> dict:
-    """Check the UI's (or an API caller's) settings; each problem gets a message saying what to change. API callers
-    can send any text or JSON for any setting, so nothing here may assume a type."""
-    algorithm = DEFAULTS["algorithm"] if algorithm in (None, "") else str(algorithm).strip()
-    if algorithm not in ALGORITHM_CHOICES:
-        raise InputError(f"unknown algorithm {algorithm!r}: choose one of {', '.join(ALGORITHM_CHOICES)}")
-    draft_tokens = DEFAULTS["draft_tokens"] if draft_tokens in (None, "") else str(draft_tokens).strip()
-    if draft_tokens != "auto":
-        k = _as_int(draft_tokens)
-        if k is None or not 1 <= k <= 16:
-            raise InputError(f"draft tokens must be auto or a whole number from 1 to 16, got {draft_tokens!r}")
-        draft_tokens = k
-    temperature = DEFAULTS["temperature"] if temperature is None else _real(
-        temperature, "temperature must be a number from 0 (greedy) to 5", lambda t: 0 <= t <= 5)
-    top_p = DEFAULTS["top_p"] if top_p is None else _real(
-        top_p, "top-p must be a number above 0 and at most 1", lambda p: 0 < p <= 1)
-    top_k = _whole(DEFAULTS["top_k"] if top_k is None else top_k, "top-k", 0, 1 << 20)
-    seed = None if seed is None or str(seed).strip() == "" else _whole(seed, "seed", 0, (1 << 63) - 1)
-    if max_new_tokens in (None, ""):
-        max_new_tokens = DEFAULTS["max_new_tokens"]
-    max_new_tokens = _whole(max_new_tokens, "max new tokens", 1, MAX_NEW_TOKENS_LIMIT)
-    return {"algorithm": algorithm, "draft_tokens": draft_tokens, "temperature": temperature, "top_p": top_p,
-            "top_k": top_k, "seed": seed, "max_new_tokens": max_new_tokens}  # fmt: skip
-
-
-def _whole(x, name: str, lo: int, hi: int) -> int:
-    n = _as_int(x)
-    if n is None or not lo <= n <= hi:
-        raise InputError(f"{name} must be a whole number from {lo} to {hi:,}, got {x!r}")
-    return n
-
-
-def _as_int(x) -> int | None:
-    """`x` as a whole number, or None when it is not one ("inf", "nan", "²", 2.5, text, a list, True).
-    Ints and digit strings convert exactly (a 19-digit seed must not be rounded through a float); whole floats, as
-    the number widgets send (64.0), are fine too."""
-    if isinstance(x, bool):
-        return None
-    if isinstance(x, int):
-        return x
-    if isinstance(x, str):
-        with contextlib.suppress(ValueError):
-            return int(x)
-    f = _float(x)
-    return int(f) if math.isfinite(f) and f.is_integer() else None
-
-
-def _real(x, problem: str, ok) -> float:
-    """`x` as a float that passes `ok`, else InputError(problem, and what was given)."""
-    f = _float(x)
-    if not ok(f):  # NaN fails every comparison: text, "nan" and other types all end up here
-        raise InputError(f"{problem}, got {x!r}")
-    return f
-
-
-def _float(x) -> float:
-    """float(x), or NaN for what is not a number (text, a list, a bool)."""
-    if isinstance(x, bool):
-        return math.nan
+def settings(algorithm, draft_tokens, temperature, top_p, top_k, seed, max_new_tokens) -> GenerationSettings:
+    """Check the UI's (or an API caller's) settings, which may be any text or JSON; a problem becomes InputError
+    with the settings model's message, which says what to change."""
     try:
-        return float(x)
-    except (TypeError, ValueError):
-        return math.nan
+        return GenerationSettings(algorithm=algorithm, draft_tokens=draft_tokens, temperature=temperature,
+                                  top_p=top_p, top_k=top_k, seed=seed, max_new_tokens=max_new_tokens)  # fmt: skip
+    except ValueError as e:
+        raise InputError(str(e)) from None
 
 
 def prompt_text(prompt) -> str:
@@ -198,36 +144,77 @@ class _Failed:
         self.error = error
 
 
-def build(pairs: Pairs) -> gr.Blocks:
-    cancels = Cancels()
+@contextlib.contextmanager
+def _as_message():
+    """What the user can fix (a bad setting or prompt, a pair that will not load) reaches them as a message, not a
+    traceback."""
+    try:
+        yield
+    except gr.Error:
+        raise
+    except (ValueError, LoadError) as e:
+        raise gr.Error(str(e), print_exception=False) from None
 
-    def run(prompt=None, messages=None, chat_mode=False, cancel=None, **s) -> Iterator[render.Live]:
-        """Stream one generation on the loaded pair as a growing `Live`; engine input errors become InputError."""
-        pair, key = pairs.current(), pairs.key()
-        live = render.Live(s["algorithm"], baseline_tokens_per_s=pairs.baselines.get(key))
-        cancel = cancel or threading.Event()
-        events = in_background(
-            lambda: api.stream(pair, prompt, messages=messages, chat_mode=chat_mode, cancel=cancel, **s), cancel)
-        try:
-            for batch in events:
-                for event in batch:
-                    live.add(event)
-                yield live
-        except ValueError as e:  # PromptError included: the prompt, the context length, an algorithm the pair lacks
-            raise InputError(str(e)) from None
-        done = live.finished
-        if s["algorithm"] == "none" and done is not None and done.stats.tokens >= 8:
-            pairs.baselines[key] = done.stats.tokens_per_s
 
-    def views(live: render.Live):
-        n = live.numbers()
-        return (render.pieces_html(live.pieces), render.stats_html(n, live.algorithm),
-                pd.DataFrame(live.chart) if live.chart else EMPTY_CHART)  # fmt: skip
+def shown_to_user(handler):
+    """`handler`, its errors for the user shown as messages (`_as_message`); streaming handlers stay generators,
+    and the signature and docstring Gradio reads for the API stay the handler's."""
+    if inspect.isgeneratorfunction(handler):
 
-    def ensure_pair(target: str, drafter: str) -> None:
+        @functools.wraps(handler)
+        def streaming(*args, **kwargs):
+            with _as_message():
+                yield from handler(*args, **kwargs)
+
+        return streaming
+
+    @functools.wraps(handler)
+    def plain(*args, **kwargs):
+        with _as_message():
+            return handler(*args, **kwargs)
+
+    return plain
+
+
+def views(live: render.Live):
+    """The chat tab's token view, stats and chart for a generation so far."""
+    n = live.numbers()
+    return (render.pieces_html(live.pieces), render.stats_html(n, live.algorithm),
+            pd.DataFrame(live.chart) if live.chart else EMPTY_CHART)  # fmt: skip
+
+
+def column(live: render.Live | None, label: str) -> tuple[str, str]:
+    """One compare column: its tokens and its heading with the numbers so far."""
+    if live is None:
+        return "", f"**{label}**: waiting (runs second)"
+    n = live.numbers()
+    state = "done" if live.finished else "running"
+    return (render.pieces_html(live.pieces),
+            f"**{label}**: {n['wall_s']:.2f} s · {n['tokens']} tokens · {n['tokens_per_s']:.1f} tok/s ({state})")
+
+
+class Handlers:
+    """What the app's events and API endpoints run, on the one loaded pair (`Pairs`) and each session's Stop."""
+
+    def __init__(self, pairs: Pairs):
+        self.pairs = pairs
+        self.cancels = Cancels()
+
+    # --- shared ----------------------------------------------------------------------------------------------------
+
+    def checked(self, prompt, knobs: tuple, target: str = "", drafter: str = "") -> tuple[str, GenerationSettings]:
+        """The prompt and settings every handler starts from, each problem as a message (InputError, LoadError);
+        loads the named pair if one is named, and makes sure some pair is loaded."""
+        s = settings(*knobs)
+        prompt = prompt_text(prompt)
+        self.ensure_pair(target, drafter)
+        self.pairs.current()
+        return prompt, s
+
+    def ensure_pair(self, target: str, drafter: str) -> None:
         if not (target or drafter):
             return
-        loaded = pairs.loaded
+        pairs, loaded = self.pairs, self.pairs.loaded
         t = target or (loaded.target if loaded else pairs.catalog.default.target)
         d = drafter or (loaded.drafter if loaded else pairs.catalog.default.drafter)
         try:
@@ -237,129 +224,120 @@ def build(pairs: Pairs) -> gr.Blocks:
         except Exception as e:  # whatever a broken model directory throws: the reason, and the old pair stays
             raise LoadError(f"could not load {t} + {d}: {type(e).__name__}: {e}") from None
 
-    def checked(prompt, knobs: tuple, target: str = "", drafter: str = "") -> tuple[str, dict]:
-        """The prompt and settings every handler starts from, each problem as a message (InputError, LoadError);
-        loads the named pair if one is named, and makes sure some pair is loaded."""
-        s = settings(*knobs)
-        prompt = prompt_text(prompt)
-        ensure_pair(target, drafter)
-        pairs.current()
-        return prompt, s
+    def run(self, s: GenerationSettings, prompt=None, *, messages=None, chat_mode=False,
+            cancel=None) -> Iterator[render.Live]:  # fmt: skip
+        """Stream one generation on the loaded pair as a growing `Live`; engine input errors become InputError."""
+        pair, key = self.pairs.current(), self.pairs.key()
+        live = render.Live(s.algorithm, baseline_tokens_per_s=self.pairs.baselines.get(key))
+        cancel = cancel or threading.Event()
+        events = in_background(
+            lambda: api.stream(pair, prompt, messages=messages, chat_mode=chat_mode, settings=s, cancel=cancel), cancel)
+        try:
+            for batch in events:
+                for event in batch:
+                    live.add(event)
+                yield live
+        except ValueError as e:  # PromptError included: the prompt, the context length, an algorithm the pair lacks
+            raise InputError(str(e)) from None
+        done = live.finished
+        if s.algorithm == "none" and done is not None and done.stats.tokens >= 8:
+            self.pairs.baselines[key] = done.stats.tokens_per_s
 
     # --- chat ------------------------------------------------------------------------------------------------------
 
-    @gpu
-    def chat_send(message, history, algorithm, draft_tokens, temperature, top_p, top_k, seed, max_new_tokens,
+    @shown_to_user
+    def chat_send(self, message, history, algorithm, draft_tokens, temperature, top_p, top_k, seed, max_new_tokens,
                   request: gr.Request):  # fmt: skip
         history = list(history or [])
-        try:
-            prompt, s = checked(message, (algorithm, draft_tokens, temperature, top_p, top_k, seed, max_new_tokens))
-        except (ValueError, LoadError) as e:
-            raise gr.Error(str(e), print_exception=False) from None
+        prompt, s = self.checked(message, (algorithm, draft_tokens, temperature, top_p, top_k, seed, max_new_tokens))
         messages = [{"role": m["role"], "content": _text(m["content"]).removesuffix(STOPPED)} for m in history]
         messages.append({"role": "user", "content": prompt})
         session = request.session_hash if request else "api"
-        cancel = cancels.start(session)
+        cancel = self.cancels.start(session)
         shown = [*history, {"role": "user", "content": prompt}]
         try:
-            for live in run(messages=messages, cancel=cancel, **s):
+            for live in self.run(s, messages=messages, cancel=cancel):
                 answer = render.answer_text(live)
                 if live.finished is not None and live.finished.stats.stop_reason == "cancelled":
                     answer += STOPPED
                 yield ([*shown, {"role": "assistant", "content": answer}], "", *views(live))
-        except (InputError, LoadError) as e:
-            raise gr.Error(str(e), print_exception=False) from None
         finally:
-            cancels.end(session, cancel)
+            self.cancels.end(session, cancel)
 
-    def chat_stop(request: gr.Request):
-        cancels.stop(request.session_hash if request else "api")
+    def chat_stop(self, request: gr.Request):
+        self.cancels.stop(request.session_hash if request else "api")
 
     # --- compare ---------------------------------------------------------------------------------------------------
 
-    def _divergence(prompt, plain, spec, greedy: bool):
+    def compare_stream(self, prompt, s: GenerationSettings) -> Iterator[tuple]:
+        """Plain decoding, then speculative, same prompt and seed; yields (plain, speculative, summary) states."""
+        if s.temperature > 0 and s.seed is None:
+            s = s.replace(seed=random.randrange(1 << 31))  # both columns must share it
+        plain = spec = None
+        for plain in self.run(s.replace(algorithm="none", draft_tokens="auto"), prompt, chat_mode=True):
+            yield plain, None, None
+        for spec in self.run(s, prompt, chat_mode=True):
+            yield plain, spec, None
+        greedy = s.temperature == 0
+        divergence = self._divergence(prompt, plain, spec, greedy)
+        summary = render.compare_summary(plain.finished, spec.finished, greedy, divergence)
+        yield plain, spec, summary
+
+    def _divergence(self, prompt, plain, spec, greedy: bool):
         """At a greedy difference, ask the target whether its two best tokens were a near-tie there (rounding)."""
         first = render.first_difference(plain.finished.target_ids, spec.finished.target_ids)
         if not greedy or first is None:
             return None
-        return api.divergence(pairs.current(), plain.finished.target_ids, first, prompt, chat_mode=True)
+        return api.divergence(self.pairs.current(), plain.finished.target_ids, first, prompt, chat_mode=True)
 
-    def compare_stream(prompt, s) -> Iterator[tuple]:
-        """Plain decoding, then speculative, same prompt and seed; yields (plain, speculative, summary) states."""
-        if s["temperature"] > 0 and s["seed"] is None:
-            s = {**s, "seed": random.randrange(1 << 31)}  # both columns must share it
-        plain = spec = None
-        for plain in run(prompt, chat_mode=True, **{**s, "algorithm": "none", "draft_tokens": "auto"}):
-            yield plain, None, None
-        for spec in run(prompt, chat_mode=True, **s):
-            yield plain, spec, None
-        greedy = s["temperature"] == 0
-        divergence = _divergence(prompt, plain, spec, greedy)
-        summary = render.compare_summary(plain.finished, spec.finished, greedy, divergence)
-        yield plain, spec, summary
-
-    def column(live: render.Live | None, label: str) -> tuple[str, str]:
-        if live is None:
-            return "", f"**{label}**: waiting (runs second)"
-        n = live.numbers()
-        state = "done" if live.finished else "running"
-        return (render.pieces_html(live.pieces),
-                f"**{label}**: {n['wall_s']:.2f} s · {n['tokens']} tokens · {n['tokens_per_s']:.1f} tok/s ({state})")
-
-    @gpu
-    def compare_ui(prompt, algorithm, draft_tokens, temperature, top_p, top_k, seed, max_new_tokens):
-        try:
-            prompt, s = checked(prompt, (algorithm, draft_tokens, temperature, top_p, top_k, seed, max_new_tokens))
-            for plain, spec, summary in compare_stream(prompt, s):
-                yield (*column(plain, "plain target"), *column(spec, f"speculative ({s['algorithm']})"),
-                       render.summary_html(summary) if summary else "")  # fmt: skip
-        except (ValueError, LoadError) as e:
-            raise gr.Error(str(e), print_exception=False) from None
+    @shown_to_user
+    def compare_ui(self, prompt, algorithm, draft_tokens, temperature, top_p, top_k, seed, max_new_tokens):
+        prompt, s = self.checked(prompt, (algorithm, draft_tokens, temperature, top_p, top_k, seed, max_new_tokens))
+        for plain, spec, summary in self.compare_stream(prompt, s):
+            yield (*column(plain, "plain target"), *column(spec, f"speculative ({s.algorithm})"),
+                   render.summary_html(summary) if summary else "")  # fmt: skip
 
     # --- API (named endpoints for gradio_client) -------------------------------------------------------------------
 
-    @gpu
-    def generate(prompt: str, target: str = "", drafter: str = "", algorithm: str = "auto", draft_tokens: str = "auto",
-                 temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, seed: int | None = None,
-                 max_new_tokens: int = DEFAULTS["max_new_tokens"]) -> Iterator[tuple[str, list, dict]]:  # fmt: skip
+    @shown_to_user
+    def generate(self, prompt: str, target: str = "", drafter: str = "", algorithm: str = DEFAULT.algorithm,
+                 draft_tokens: str = DEFAULT.draft_tokens, temperature: float = DEFAULT.temperature,
+                 top_p: float = DEFAULT.top_p, top_k: int = DEFAULT.top_k, seed: int | None = DEFAULT.seed,
+                 max_new_tokens: int = DEFAULT.max_new_tokens) -> Iterator[tuple[str, list, dict]]:  # fmt: skip
         """Chat with the loaded pair (or the named one): streams (text, pieces, stats) after every round.
         `pieces` is a list of {text, kind, round}; `stats` holds acceptance_rate, tokens_per_round, tokens_per_s,
         wall_s and more. Empty target/drafter: the loaded pair."""
-        try:
-            knobs = (algorithm, draft_tokens, temperature, top_p, top_k, seed, max_new_tokens)
-            prompt, s = checked(prompt, knobs, target, drafter)
-            for live in run(prompt, chat_mode=True, **s):
-                stats = live.numbers()
-                if live.finished is not None:  # the engine's own final stats, plus the live-only keys
-                    stats.update(live.finished.stats.as_dict())
-                yield render.answer_text(live), render.piece_dicts(live.pieces), stats
-        except (ValueError, LoadError) as e:
-            raise gr.Error(str(e), print_exception=False) from None
+        knobs = (algorithm, draft_tokens, temperature, top_p, top_k, seed, max_new_tokens)
+        prompt, s = self.checked(prompt, knobs, target, drafter)
+        for live in self.run(s, prompt, chat_mode=True):
+            stats = live.numbers()
+            if live.finished is not None:  # the engine's own final stats, plus the live-only keys
+                stats.update(live.finished.stats.as_dict())
+            yield render.answer_text(live), render.piece_dicts(live.pieces), stats
 
-    @gpu
-    def compare(prompt: str, target: str = "", drafter: str = "", algorithm: str = "auto", draft_tokens: str = "auto",
-                temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, seed: int | None = None,
-                max_new_tokens: int = DEFAULTS["max_new_tokens"]) -> tuple[str, str, dict]:  # fmt: skip
+    @shown_to_user
+    def compare(self, prompt: str, target: str = "", drafter: str = "", algorithm: str = DEFAULT.algorithm,
+                draft_tokens: str = DEFAULT.draft_tokens, temperature: float = DEFAULT.temperature,
+                top_p: float = DEFAULT.top_p, top_k: int = DEFAULT.top_k, seed: int | None = DEFAULT.seed,
+                max_new_tokens: int = DEFAULT.max_new_tokens) -> tuple[str, str, dict]:  # fmt: skip
         """Plain target decoding, then speculative decoding, same prompt and seed. Returns (plain_text,
         speculative_text, summary) with summary holding identical, plain_s, speculative_s, speedup."""
-        try:
-            knobs = (algorithm, draft_tokens, temperature, top_p, top_k, seed, max_new_tokens)
-            prompt, s = checked(prompt, knobs, target, drafter)
-            *_, (plain, spec, summary) = compare_stream(prompt, s)
-        except (ValueError, LoadError) as e:
-            raise gr.Error(str(e), print_exception=False) from None
+        knobs = (algorithm, draft_tokens, temperature, top_p, top_k, seed, max_new_tokens)
+        prompt, s = self.checked(prompt, knobs, target, drafter)
+        *_, (plain, spec, summary) = self.compare_stream(prompt, s)
         return plain.finished.text, spec.finished.text, summary
 
     # --- pair ------------------------------------------------------------------------------------------------------
 
-    def spec_of(choice: str, free: str) -> str:
-        return (free or "").strip() if (free or "").strip() and not pairs.space_mode else choice
+    def spec_of(self, choice: str, free: str) -> str:
+        return (free or "").strip() if (free or "").strip() and not self.pairs.space_mode else choice
 
-    def preview(t_choice, d_choice, t_free="", d_free=""):
-        return pairs.preview(spec_of(t_choice, t_free), spec_of(d_choice, d_free))
+    def preview(self, t_choice, d_choice, t_free="", d_free=""):
+        return self.pairs.preview(self.spec_of(t_choice, t_free), self.spec_of(d_choice, d_free))
 
-    def load(t_choice, d_choice, t_free="", d_free="", progress=gr.Progress(track_tqdm=True)):  # noqa: B008
-        target, drafter = spec_of(t_choice, t_free), spec_of(d_choice, d_free)
+    def load(self, t_choice, d_choice, t_free="", d_free="", progress=gr.Progress(track_tqdm=True)):  # noqa: B008
+        pairs = self.pairs
+        target, drafter = self.spec_of(t_choice, t_free), self.spec_of(d_choice, d_free)
         progress(0, desc=f"loading {target} + {drafter}")
         try:
             pairs.load(target, drafter, log=lambda msg: progress(None, desc=str(msg)))
@@ -369,92 +347,115 @@ def build(pairs: Pairs) -> gr.Blocks:
             return f"⚠ Could not load `{target}` + `{drafter}`: {e}.{kept}", pairs.describe()
         return f"✔ {pairs.describe()}", pairs.describe()
 
-    names = pairs.allowed  # in Space mode only what the Space serves: offering the rest would only fail on load
-    suggested = {f"{p.target} ← {p.drafter}: {p.why}": (p.target, p.drafter) for p in pairs.catalog.pairs
-                 if p.target in names and p.drafter in names}  # fmt: skip
-    loaded = pairs.loaded or pairs.catalog.default
 
+# --- the page --------------------------------------------------------------------------------------------------------
+
+
+def build(pairs: Pairs) -> gr.Blocks:
+    h = Handlers(pairs)
     with gr.Blocks(title="usd-chat") as demo:
         gr.Markdown("# usd-chat · universal speculative decoding\nThe drafter proposes, the target verifies: the "
                     "answer is exactly the target's own, with every drafted token shown kept or thrown away.")
         header = gr.Markdown(pairs.describe(), elem_id="pair-header")
-        with gr.Tab("Chat", id="chat"), gr.Row():
-            with gr.Column(scale=3):
-                chatbot = gr.Chatbot(label="Chat", height=420, elem_id="chatbot")
-                box = gr.Textbox(label="Message", placeholder="Ask something, then press Enter or Send",
-                                 lines=2, elem_id="message")  # fmt: skip
-                with gr.Row():
-                    send = gr.Button("Send", variant="primary", elem_id="send")
-                    stop = gr.Button("Stop", variant="stop", elem_id="stop")
-                    clear = gr.Button("Clear chat", elem_id="clear")
-            with gr.Column(scale=2):
-                gr.HTML(render.legend_html())
-                tokens = gr.HTML(render.pieces_html([]), label="Tokens", elem_id="tokens")
-                stats = gr.HTML(render.stats_html({}, "auto"), elem_id="stats")
-                chart = gr.LinePlot(EMPTY_CHART, x="round", y="tokens", color="series", height=180,
-                                    label="Tokens per round: accepted drafts and emitted", elem_id="chart")
-
-        with gr.Tab("Compare", id="compare"):
-            gr.Markdown("Same prompt, same seed: the target alone, then speculative decoding with the settings "
-                        f"below. Run {render.COMPARE_ORDER}.")  # fmt: skip
-            c_prompt = gr.Textbox(label="Prompt", lines=2, elem_id="compare-prompt")
-            c_run = gr.Button("Compare", variant="primary", elem_id="compare-run")
-            with gr.Row():
-                with gr.Column():
-                    c_plain_head = gr.Markdown("**plain target**")
-                    c_plain = gr.HTML(render.pieces_html([]))
-                with gr.Column():
-                    c_spec_head = gr.Markdown("**speculative**")
-                    c_spec = gr.HTML(render.pieces_html([]))
-            c_summary = gr.HTML("", elem_id="compare-summary")
-
-        with gr.Tab("Pair", id="pair"):
-            gr.Markdown("Choose a target and a drafter from any family; the numbers below are known before loading.")
-            with gr.Row():
-                t_pick = gr.Dropdown(names, value=loaded.target, label="Target")
-                d_pick = gr.Dropdown(names, value=loaded.drafter, label="Drafter")
-            with gr.Row(visible=not pairs.space_mode):
-                t_free = gr.Textbox(label="…or a target hub id / local path", placeholder="owner/name or /path")
-                d_free = gr.Textbox(label="…or a drafter hub id / local path", placeholder="owner/name or /path")
-            if suggested:
-                pick = gr.Dropdown(list(suggested), value=None, label="Suggested pairs")
-                pick.change(lambda k: suggested.get(k, (gr.skip(), gr.skip())), pick, [t_pick, d_pick],
-                            api_visibility="private")  # fmt: skip
-            info = gr.Markdown(elem_id="pair-preview")
-            load_btn = gr.Button("Load pair", variant="primary", elem_id="load")
-            status = gr.Markdown(elem_id="load-status")
-            pair_inputs = [t_pick, d_pick, t_free, d_free]
-            for c in pair_inputs:
-                c.change(preview, pair_inputs, info, api_visibility="private", concurrency_limit=None)
-            load_btn.click(load, pair_inputs, [status, header], api_visibility="private",
-                           concurrency_id=MODELS)  # fmt: skip
-            demo.load(preview, pair_inputs, info, api_visibility="private", concurrency_limit=None)
-        # Settings below the tabs: Chat and Compare both use them.
-        with gr.Accordion("Settings", open=False, elem_id="settings"):
-            with gr.Row():
-                algorithm = gr.Dropdown(ALGORITHM_CHOICES, value="auto", label="Algorithm", elem_id="algorithm",
-                                        info="auto picks per round what is fastest here; none = the target alone")
-                draft = gr.Dropdown(DRAFT_CHOICES, value="auto", label="Draft tokens (k)")
-                max_new = gr.Number(DEFAULTS["max_new_tokens"], label="Max new tokens", precision=0, minimum=1,
-                                    maximum=MAX_NEW_TOKENS_LIMIT, elem_id="max-new-tokens")  # fmt: skip
-            with gr.Row():
-                temperature = gr.Slider(0, 2, value=0, step=0.05, label="Temperature (0 = greedy)")
-                top_p = gr.Slider(0.05, 1, value=1, step=0.05, label="Top-p")
-                top_k = gr.Number(0, label="Top-k (0 = off)", precision=0, minimum=0)
-                seed = gr.Textbox("", label="Seed (empty = random)", elem_id="seed")
-        knobs = [algorithm, draft, temperature, top_p, top_k, seed, max_new]
-        outputs = [chatbot, box, tokens, stats, chart]
+        chat = _chat_tab()
+        compare = _compare_tab()
+        _pair_tab(demo, h, header)
+        knobs = _settings_panel()
         # Every event that runs the models shares one concurrency group: the queue's limit counts them together.
-        for trigger in (send.click, box.submit):
-            trigger(chat_send, [box, chatbot, *knobs], outputs, api_visibility="private", concurrency_id=MODELS)
-        stop.click(chat_stop, None, None, concurrency_limit=None, api_visibility="private")
-        clear.click(lambda: ([], "", render.pieces_html([]), render.stats_html({}, "auto"), EMPTY_CHART),
-                    None, outputs, api_visibility="private", concurrency_limit=None)  # fmt: skip
+        for trigger in (chat.send.click, chat.box.submit):
+            trigger(gpu(h.chat_send), [chat.box, chat.chatbot, *knobs], chat.outputs, api_visibility="private",
+                    concurrency_id=MODELS)  # fmt: skip
+        chat.stop.click(h.chat_stop, None, None, concurrency_limit=None, api_visibility="private")
+        chat.clear.click(lambda: ([], "", render.pieces_html([]), render.stats_html({}, "auto"), EMPTY_CHART),
+                         None, chat.outputs, api_visibility="private", concurrency_limit=None)  # fmt: skip
 
-        c_run.click(compare_ui, [c_prompt, *knobs], [c_plain, c_plain_head, c_spec, c_spec_head, c_summary],
-                    api_visibility="private", concurrency_id=MODELS)  # fmt: skip
+        compare.run.click(gpu(h.compare_ui), [compare.prompt, *knobs], compare.outputs, api_visibility="private",
+                          concurrency_id=MODELS)  # fmt: skip
         demo.load(pairs.describe, None, header, api_visibility="private", concurrency_limit=None)
 
-        gr.api(generate, api_name="generate", concurrency_id=MODELS)
-        gr.api(compare, api_name="compare", concurrency_id=MODELS)
+        gr.api(gpu(h.generate), api_name="generate", concurrency_id=MODELS)
+        gr.api(gpu(h.compare), api_name="compare", concurrency_id=MODELS)
     return demo
+
+
+def _chat_tab() -> SimpleNamespace:
+    with gr.Tab("Chat", id="chat"), gr.Row():
+        with gr.Column(scale=3):
+            chatbot = gr.Chatbot(label="Chat", height=420, elem_id="chatbot")
+            box = gr.Textbox(label="Message", placeholder="Ask something, then press Enter or Send",
+                             lines=2, elem_id="message")  # fmt: skip
+            with gr.Row():
+                send = gr.Button("Send", variant="primary", elem_id="send")
+                stop = gr.Button("Stop", variant="stop", elem_id="stop")
+                clear = gr.Button("Clear chat", elem_id="clear")
+        with gr.Column(scale=2):
+            gr.HTML(render.legend_html())
+            tokens = gr.HTML(render.pieces_html([]), label="Tokens", elem_id="tokens")
+            stats = gr.HTML(render.stats_html({}, "auto"), elem_id="stats")
+            chart = gr.LinePlot(EMPTY_CHART, x="round", y="tokens", color="series", height=180,
+                                label="Tokens per round: accepted drafts and emitted", elem_id="chart")
+    return SimpleNamespace(chatbot=chatbot, box=box, send=send, stop=stop, clear=clear,
+                           outputs=[chatbot, box, tokens, stats, chart])  # fmt: skip
+
+
+def _compare_tab() -> SimpleNamespace:
+    with gr.Tab("Compare", id="compare"):
+        gr.Markdown("Same prompt, same seed: the target alone, then speculative decoding with the settings "
+                    f"below. Run {render.COMPARE_ORDER}.")  # fmt: skip
+        prompt = gr.Textbox(label="Prompt", lines=2, elem_id="compare-prompt")
+        run = gr.Button("Compare", variant="primary", elem_id="compare-run")
+        with gr.Row():
+            with gr.Column():
+                plain_head = gr.Markdown("**plain target**")
+                plain = gr.HTML(render.pieces_html([]))
+            with gr.Column():
+                spec_head = gr.Markdown("**speculative**")
+                spec = gr.HTML(render.pieces_html([]))
+        summary = gr.HTML("", elem_id="compare-summary")
+    return SimpleNamespace(prompt=prompt, run=run, outputs=[plain, plain_head, spec, spec_head, summary])
+
+
+def _pair_tab(demo: gr.Blocks, h: Handlers, header: gr.Markdown) -> None:
+    pairs = h.pairs
+    names = pairs.allowed  # in Space mode only what the Space serves: offering the rest would only fail on load
+    suggested = {f"{p.target} ← {p.drafter}: {p.why}": (p.target, p.drafter) for p in pairs.catalog.pairs
+                 if p.target in names and p.drafter in names}  # fmt: skip
+    loaded = pairs.loaded or pairs.catalog.default
+    with gr.Tab("Pair", id="pair"):
+        gr.Markdown("Choose a target and a drafter from any family; the numbers below are known before loading.")
+        with gr.Row():
+            t_pick = gr.Dropdown(names, value=loaded.target, label="Target")
+            d_pick = gr.Dropdown(names, value=loaded.drafter, label="Drafter")
+        with gr.Row(visible=not pairs.space_mode):
+            t_free = gr.Textbox(label="…or a target hub id / local path", placeholder="owner/name or /path")
+            d_free = gr.Textbox(label="…or a drafter hub id / local path", placeholder="owner/name or /path")
+        if suggested:
+            pick = gr.Dropdown(list(suggested), value=None, label="Suggested pairs")
+            pick.change(lambda k: suggested.get(k, (gr.skip(), gr.skip())), pick, [t_pick, d_pick],
+                        api_visibility="private")  # fmt: skip
+        info = gr.Markdown(elem_id="pair-preview")
+        load_btn = gr.Button("Load pair", variant="primary", elem_id="load")
+        status = gr.Markdown(elem_id="load-status")
+        pair_inputs = [t_pick, d_pick, t_free, d_free]
+        for c in pair_inputs:
+            c.change(h.preview, pair_inputs, info, api_visibility="private", concurrency_limit=None)
+        load_btn.click(h.load, pair_inputs, [status, header], api_visibility="private",
+                       concurrency_id=MODELS)  # fmt: skip
+        demo.load(h.preview, pair_inputs, info, api_visibility="private", concurrency_limit=None)
+
+
+def _settings_panel() -> list:
+    """The settings below the tabs (Chat and Compare both use them), in `settings()`'s order."""
+    with gr.Accordion("Settings", open=False, elem_id="settings"):
+        with gr.Row():
+            algorithm = gr.Dropdown(list(ALGORITHMS), value=DEFAULT.algorithm, label="Algorithm", elem_id="algorithm",
+                                    info="auto picks per round what is fastest here; none = the target alone")
+            draft = gr.Dropdown(DRAFT_CHOICES, value=DEFAULT.draft_tokens, label="Draft tokens (k)")
+            max_new = gr.Number(DEFAULT.max_new_tokens, label="Max new tokens", precision=0, minimum=1,
+                                maximum=MAX_NEW_TOKENS_MAX, elem_id="max-new-tokens")  # fmt: skip
+        with gr.Row():
+            temperature = gr.Slider(0, 2, value=DEFAULT.temperature, step=0.05, label="Temperature (0 = greedy)")
+            top_p = gr.Slider(0.05, 1, value=DEFAULT.top_p, step=0.05, label="Top-p")
+            top_k = gr.Number(DEFAULT.top_k, label="Top-k (0 = off)", precision=0, minimum=0)
+            seed = gr.Textbox("", label="Seed (empty = random)", elem_id="seed")
+    return [algorithm, draft, temperature, top_p, top_k, seed, max_new]

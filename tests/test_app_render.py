@@ -137,6 +137,59 @@ def test_compare_summary():
     assert s["first_difference"] == 2 and "distribution" in render.summary_html(s)
 
 
+class _StubPairs:
+    """The part of app.pairs.Pairs the handlers use while generating, with no model."""
+
+    def __init__(self):
+        self.baselines = {}
+
+    def current(self):
+        return "the pair"
+
+    def key(self):
+        return ("target", "drafter")
+
+
+def _fake_engine(monkeypatch, speculative_ids):
+    """api.stream answers [1, 2, 3] plain and `speculative_ids` otherwise; returns the settings it was given and the
+    divergence questions asked."""
+    from app import ui
+    from usd.numerics import Divergence
+
+    streamed, asked = [], []
+
+    def stream(pair, prompt, *, settings, cancel, **_):
+        streamed.append(settings)
+        yield _finished([1, 2, 3] if settings.algorithm == "none" else speculative_ids, 1.0, settings.algorithm)
+
+    def divergence(pair, ids, position, prompt, chat_mode):
+        asked.append((pair, tuple(ids), position, prompt, chat_mode))
+        return Divergence(position, 0.01, 0.05, "bfloat16")
+
+    monkeypatch.setattr(ui.api, "stream", stream)
+    monkeypatch.setattr(ui.api, "divergence", divergence)
+    return streamed, asked
+
+
+def test_compare_asks_the_target_about_a_greedy_difference(monkeypatch):
+    from app.ui import Handlers
+
+    streamed, asked = _fake_engine(monkeypatch, [1, 5, 3])
+    *_, (_, _, summary) = Handlers(_StubPairs()).compare_stream("hi", settings("tli", "4", 0, 1, 0, None, 8))
+    assert [(s.algorithm, s.draft_tokens) for s in streamed] == [("none", "auto"), ("tli", 4)]
+    assert asked == [("the pair", (1, 2, 3), 1, "hi", True)]
+    assert summary["first_difference"] == 1 and summary["near_tie"] is True
+
+
+def test_compare_samples_both_columns_with_one_seed_and_asks_nothing(monkeypatch):
+    from app.ui import Handlers
+
+    streamed, asked = _fake_engine(monkeypatch, [1, 5, 3])
+    *_, (_, _, summary) = Handlers(_StubPairs()).compare_stream("hi", settings("slem", "auto", 0.8, 1, 0, None, 8))
+    assert streamed[0].seed is not None and streamed[0].seed == streamed[1].seed
+    assert not asked and summary["near_tie"] is None
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [
@@ -175,15 +228,15 @@ def test_settings_errors_say_what_to_change(args, message):
 
 
 def test_settings_accept_what_the_widgets_send():
-    s = settings("slem", "4", 0.7, 0.9, 20.0, 3.0, 64.0)
+    s = settings("slem", "4", 0.7, 0.9, 20.0, 3.0, 64.0).model_dump(exclude={"stop_strings"})
     assert s == {"algorithm": "slem", "draft_tokens": 4, "temperature": 0.7, "top_p": 0.9, "top_k": 20, "seed": 3,
                  "max_new_tokens": 64}  # fmt: skip
-    assert settings(None, None, None, None, None, "", None)["max_new_tokens"] == 256
+    assert settings(None, None, None, None, None, "", None).max_new_tokens == 256
 
 
 def test_settings_keep_big_seeds_exact():
-    assert settings("auto", "auto", 0, 1, 0, str((1 << 63) - 1), 10)["seed"] == (1 << 63) - 1
-    assert settings("auto", "auto", 0, 1, 0, 12345678901234567, 10)["seed"] == 12345678901234567
+    assert settings("auto", "auto", 0, 1, 0, str((1 << 63) - 1), 10).seed == (1 << 63) - 1
+    assert settings("auto", "auto", 0, 1, 0, 12345678901234567, 10).seed == 12345678901234567
 
 
 @pytest.mark.parametrize(

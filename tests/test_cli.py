@@ -142,14 +142,13 @@ def test_samples_must_be_at_least_one(fake_load, capsys, value):
     assert f"--samples: must be a whole number >= 1, got {value!r}" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("value", ["0", "17", "64", "x"])
-def test_draft_tokens_are_auto_or_one_to_sixteen_like_the_app(fake_load, capsys, value):
-    with pytest.raises(SystemExit) as exit_:
-        main(["generate", "--prompt", "hi", "--draft-tokens", value])
-    assert exit_.value.code == 2 and not fake_load
+@pytest.mark.parametrize(("value", "shown"), [("0", "0"), ("17", "17"), ("64", "64"), ("x", "'x'")])
+def test_draft_tokens_are_auto_or_one_to_sixteen_like_the_app(fake_load, capsys, value, shown):
+    assert _exit_code(["generate", "--prompt", "hi", "--draft-tokens", value]) == 2
+    assert not fake_load
     err = capsys.readouterr().err
-    assert f"--draft-tokens: must be auto or a whole number from 1 to 16, got {value!r}" in err
-    assert "to decode without a drafter, use --algorithm none" in err
+    assert f"usd generate: draft tokens must be auto or a whole number from 1 to 16, got {shown}" in err
+    assert "to decode without a drafter, use algorithm none" in err
 
 
 def test_bad_messages_json_exits_2_naming_the_file(fake_load, capsys, tmp_path):
@@ -195,13 +194,17 @@ def _word_tokenizer_model(d, words):
 
 
 @pytest.mark.parametrize(("args", "message"), [
-    (["--temperature", "-1"], "temperature must be >= 0, got -1.0"),
-    (["--temperature", "nan"], "--temperature: must be a finite number, got 'nan'"),
-    (["--top-p", "0"], "top_p must be in (0, 1], got 0.0"),
-    (["--top-p", "inf"], "--top-p: must be a finite number, got 'inf'"),
-    (["--top-k", "-1"], "top_k must be >= 0 (0 turns it off), got -1"),
-    (["--seed", "-1"], f"--seed: must be a whole number from 0 to {(1 << 63) - 1}, got '-1'"),
-    (["--max-new-tokens", "0"], "--max-new-tokens: must be a whole number >= 1, got '0'"),
+    (["--temperature", "-1"], "usd generate: temperature must be a number from 0 (greedy) to 5, got -1.0"),
+    (["--temperature", "nan"], "usd generate: temperature must be a number from 0 (greedy) to 5, got 'nan'"),
+    (["--top-p", "0"], "usd generate: top-p must be a number above 0 and at most 1, got 0.0"),
+    (["--top-p", "inf"], "usd generate: top-p must be a number above 0 and at most 1, got 'inf'"),
+    (["--top-k", "-1"], "usd generate: top-k must be a whole number from 0 to 1,048,576, got -1"),
+    (["--seed", "-1"], f"usd generate: seed must be a whole number from 0 to {(1 << 63) - 1:,}, got -1"),
+    (["--max-new-tokens", "0"], "usd generate: max new tokens must be a whole number from 1 to 4,096, got 0"),
+    (["--algorithm", "fast"], "usd generate: unknown algorithm 'fast'; choose one of auto, tli, slem, standard, none"),
+    # found before loading now too (the decode loop used to find these after it)
+    (["--max-new-tokens", "5000"], "usd generate: max new tokens must be a whole number from 1 to 4,096, got 5000"),
+    (["--seed", str((1 << 63) - 2), "--samples", "3"], "seed must be a whole number from 0 to"),
 ])  # fmt: skip
 def test_bad_settings_exit_2_before_loading(no_loading, capsys, args, message):
     assert _exit_code(["generate", "--prompt", "hi", *args]) == 2

@@ -138,5 +138,5 @@ def test_probabilities_greedy_top_k_top_p():
     assert p[0] > 0 and p[1] > 0 and p[2] == 0  # keeps the smallest prefix reaching top_p
     p = probabilities(logits, SamplingParams(temperature=0.5))
     assert torch.allclose(p, (logits / 0.5).softmax(-1))
-    with pytest.raises(ValueError, match="top_p"):
+    with pytest.raises(ValueError, match=r"top-p must be a number above 0 and at most 1, got 0\.0"):
         SamplingParams(temperature=1.0, top_p=0.0)

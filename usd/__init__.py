@@ -1,7 +1,8 @@
 """usd: universal speculative decoding, lossless across vocabularies.
 
-`load_pair`, `stream` and `generate` are the API; `Round`, `Piece`, `Finished` and `Stats` are what streams yield.
-They are imported on first use, so `usd models` and friends start without loading torch.
+`load_pair`, `stream` and `generate` are the API, `GenerationSettings` how to generate; `Round`, `Piece`, `Finished`
+and `Stats` are what streams yield. They are imported on first use, so `usd models` and friends start without loading
+torch.
 """
 
 from __future__ import annotations
@@ -12,7 +13,8 @@ __version__ = "0.1.0"
 
 _EXPORTS = {
     "load_pair": "api", "stream": "api", "generate": "api", "Pair": "pair", "PromptError": "chat",
-    "LoadError": "loading", "Round": "events", "Piece": "events", "Finished": "events", "Stats": "events",
+    "LoadError": "loading", "GenerationSettings": "settings", "Round": "events", "Piece": "events",
+    "Finished": "events", "Stats": "events",
 }  # fmt: skip
 __all__ = sorted(_EXPORTS)
 

@@ -6,6 +6,8 @@
         ...  # a Round per target forward, then a Finished
     done = usd.generate(pair, messages=[{"role": "user", "content": "Hi!"}], temperature=0.7, seed=1)
     print(done.text, done.stats.acceptance_rate)
+    creative = usd.GenerationSettings(temperature=0.9, top_p=0.95)  # checked once, reused
+    done = usd.generate(pair, "Once upon a time", settings=creative, seed=2)
 """
 
 from __future__ import annotations
@@ -18,9 +20,7 @@ from .catalog import Catalog, load_catalog
 from .events import Finished, Round
 from .loading import entry_for, load_model
 from .pair import Pair
-from .sampling import SamplingParams
-
-DEFAULT_MAX_NEW_TOKENS = 256
+from .settings import GenerationSettings
 
 
 def load_pair(
@@ -58,37 +58,33 @@ def stream(
     *,
     messages: list[dict] | None = None,
     chat_mode: bool = False,
-    algorithm: str = "auto",
-    draft_tokens: int | str = "auto",
-    temperature: float = 0.0,
-    top_p: float = 1.0,
-    top_k: int = 0,
-    seed: int | None = None,
-    max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
-    stop_strings: tuple[str, ...] = (),
+    settings: GenerationSettings | None = None,
     cancel: threading.Event | None = None,
     drafter_rendering: str = "auto",
+    **options,
 ) -> Iterator[Round | Finished]:
     """Yield a Round per target forward, then a Finished. A raw `prompt` is continued as text; with `chat_mode` it
     is one user message; `messages` is a whole conversation ([{role, content}], the last one the user's).
+    How to generate: `settings`, and/or its fields as keywords (algorithm, draft_tokens, temperature, top_p, top_k,
+    seed, max_new_tokens, stop_strings), which override it; defaults and ranges are GenerationSettings'.
     Bad input raises ValueError (PromptError for the prompt) before any model work, with what to change."""
+    s = settings or GenerationSettings()
+    if options:
+        s = s.replace(**options)
     if messages is None and chat_mode:
         messages = [{"role": "user", "content": chat.check_prompt(prompt)}]
-    params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
     rendering = chat.choose_rendering(pair.memory, drafter_rendering)
     t_ids, d_ids = chat.prompt_ids(pair, prompt, messages, rendering)
-    if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
-        raise ValueError(f"max new tokens must be a whole number >= 1, got {max_new_tokens!r}")
     limit = pair.context_length
-    if limit and len(t_ids) + max_new_tokens > limit:
+    if limit and len(t_ids) + s.max_new_tokens > limit:
         if len(t_ids) >= limit:
             raise chat.PromptError(f"the prompt is {len(t_ids):,} tokens, longer than {pair.target_name}'s context of "
                                    f"{limit:,} tokens; shorten it or start a new chat")  # fmt: skip
-        raise chat.PromptError(f"the prompt ({len(t_ids):,} tokens) plus max new tokens ({max_new_tokens:,}) exceeds "
-                               f"{pair.target_name}'s context of {limit:,} tokens; lower max new tokens to at most "
-                               f"{limit - len(t_ids):,} or shorten the prompt")  # fmt: skip
-    events = decoder.stream(pair, t_ids, d_ids, algorithm=algorithm, k=draft_tokens, params=params,
-                            max_new_tokens=max_new_tokens, stop_strings=tuple(stop_strings), cancel=cancel)  # fmt: skip
+        raise chat.PromptError(f"the prompt ({len(t_ids):,} tokens) plus max new tokens ({s.max_new_tokens:,}) "
+                               f"exceeds {pair.target_name}'s context of {limit:,} tokens; lower max new tokens to at "
+                               f"most {limit - len(t_ids):,} or shorten the prompt")  # fmt: skip
+    events = decoder.stream(pair, t_ids, d_ids, algorithm=s.algorithm, k=s.draft_tokens, params=s.sampling_params(),
+                            max_new_tokens=s.max_new_tokens, stop_strings=s.stop_strings, cancel=cancel)  # fmt: skip
     for event in events:
         if isinstance(event, Finished) and messages is not None and pair.drafter is not None:
             chat.record_rendering(pair.memory, rendering, event.stats.accepted, event.stats.drafted)

@@ -4,16 +4,21 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 from pathlib import Path
 
 from . import chat
 from .catalog import CatalogError, load_catalog
 from .loading import LoadError, check_local_dir, default_device, entry_for, plan_load
+from .settings import (
+    ALGORITHMS,
+    DEFAULT_MAX_NEW_TOKENS,
+    DRAFT_TOKENS_MAX,
+    PRECISIONS,
+    TEMPERATURE_MAX,
+    GenerationSettings,
+)
 from .store import StoreError, local_path, pull
-
-_SEED_MAX = (1 << 63) - 1  # the app's range
 
 
 def _catalog(args):
@@ -98,35 +103,10 @@ _COLOURS = {"accepted": "\x1b[32m", "rejected": "\x1b[2;9;31m", "resampled": "\x
 _RESET = "\x1b[0m"
 
 
-def _draft_tokens(value: str) -> int | str:
-    # The app's range: 0 would silently mean plain decoding, and drafts past 16 are almost never accepted whole.
-    if value != "auto" and not (value.isdigit() and 1 <= int(value) <= 16):
-        raise argparse.ArgumentTypeError(f"must be auto or a whole number from 1 to 16, got {value!r} "
-                                         "(to decode without a drafter, use --algorithm none)")  # fmt: skip
-    return value if value == "auto" else int(value)
-
-
 def _at_least_one(value: str) -> int:
     if not (value.isdigit() and int(value) >= 1):
         raise argparse.ArgumentTypeError(f"must be a whole number >= 1, got {value!r}")
     return int(value)
-
-
-def _seed(value: str) -> int:
-    if not (value.isdigit() and int(value) <= _SEED_MAX):
-        raise argparse.ArgumentTypeError(f"must be a whole number from 0 to {_SEED_MAX}, got {value!r}")
-    return int(value)
-
-
-def _finite(value: str) -> float:
-    # float() takes nan and inf, which pass SamplingParams' range checks and then break sampling
-    try:
-        x = float(value)
-    except ValueError:
-        x = math.nan
-    if not math.isfinite(x):
-        raise argparse.ArgumentTypeError(f"must be a finite number, got {value!r}")
-    return x
 
 
 def _read_text(path: str, what: str) -> str:
@@ -168,26 +148,32 @@ def _generation_input(args) -> dict:
     return {"prompt": prompt, "chat_mode": args.chat}
 
 
-def _settings(args) -> dict:
-    """api.stream's settings, checked by building the SamplingParams it builds: the same messages, before loading."""
-    from .sampling import SamplingParams
+def _settings(args) -> GenerationSettings:
+    """The options as typed, checked by the settings model the API takes: the app's ranges and messages."""
+    settings = GenerationSettings(algorithm=args.algorithm, draft_tokens=args.draft_tokens,
+                                  temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
+                                  max_new_tokens=args.max_new_tokens)  # fmt: skip
+    if args.samples:  # seeds S..S+N-1, S = 0 without --seed: the last one is checked now too, not after loading
+        first = settings.seed or 0
+        try:
+            settings.replace(seed=first + args.samples - 1)
+        except ValueError as e:
+            raise ValueError(f"{e} (the last of {args.samples} samples' seeds from {first})") from None
+        settings = settings.replace(seed=first)
+    return settings
 
-    SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
-    return {"algorithm": args.algorithm, "draft_tokens": args.draft_tokens, "temperature": args.temperature,
-            "top_p": args.top_p, "top_k": args.top_k, "max_new_tokens": args.max_new_tokens}  # fmt: skip
 
-
-def _check_models(args, catalog) -> None:
+def _check_models(args, algorithm: str, catalog) -> None:
     """Fail before loading on what is known without the weights: a spec that names no model, a local directory
     that lacks files, and 'standard' on tokenizers that differ. The drafter loads second, so its mistakes would
     otherwise show only after the target's whole load."""
     specs = [args.target or catalog.default.target]
-    if args.algorithm != "none":
+    if algorithm != "none":
         specs.append(args.drafter or catalog.default.drafter)
     entries = [entry_for(spec, catalog) for spec in specs]
     for entry in entries:
         check_local_dir(entry)
-    if args.algorithm == "standard":
+    if algorithm == "standard":
         _check_same_tokenizers(entries)
 
 
@@ -217,15 +203,14 @@ def cmd_generate(args) -> int:
     # every check that needs no model runs first: loading takes seconds, minutes for big models
     inputs = _generation_input(args)
     settings = _settings(args)
-    _check_models(args, catalog)
-    pair = api.load_pair(args.target, args.drafter if args.algorithm != "none" else False, catalog=catalog,
+    _check_models(args, settings.algorithm, catalog)
+    pair = api.load_pair(args.target, args.drafter if settings.algorithm != "none" else False, catalog=catalog,
                          device=args.device, precision=args.precision, log=_log)  # fmt: skip
-    seed = args.seed if args.seed is not None else (0 if args.samples else None)
     colour = sys.stdout.isatty() and not args.json
     results = []
     for i in range(args.samples or 1):
-        s = None if seed is None else seed + i
-        for event in api.stream(pair, **inputs, **settings, seed=s):
+        sample = settings if settings.seed is None else settings.replace(seed=settings.seed + i)
+        for event in api.stream(pair, **inputs, settings=sample):
             if isinstance(event, Finished):
                 results.append(_result(event))
             elif not args.json:
@@ -292,14 +277,15 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("generate", help="generate with speculative decoding; the answer is exactly the target's")
     p.add_argument("--target", help="catalog name, local directory or hub id (default: the catalog's default)")
     p.add_argument("--drafter", help="catalog name, local directory or hub id (default: the catalog's default)")
-    p.add_argument("--algorithm", default="auto", choices=["auto", "standard", "tli", "slem", "none"])
-    p.add_argument("--draft-tokens", type=_draft_tokens, default="auto", metavar="{K,auto}",
-                   help="draft length per round, 1-16, or auto to adapt it (default)")  # fmt: skip
-    p.add_argument("--temperature", type=_finite, default=0.0, help="0 = greedy (default)")
-    p.add_argument("--top-p", type=_finite, default=1.0)
-    p.add_argument("--top-k", type=int, default=0, help="0 = off")
-    p.add_argument("--seed", type=_seed, help="random seed for sampling (with --samples: the first of N)")
-    p.add_argument("--max-new-tokens", type=_at_least_one, default=256)
+    # the settings stay text here: GenerationSettings reads and checks them, with the app's ranges and messages
+    p.add_argument("--algorithm", metavar=f"{{{','.join(ALGORITHMS)}}}", help="default: auto (picks per round)")
+    p.add_argument("--draft-tokens", metavar="{K,auto}",
+                   help=f"draft length per round, 1-{DRAFT_TOKENS_MAX}, or auto to adapt it (default)")  # fmt: skip
+    p.add_argument("--temperature", help=f"0 = greedy (default), up to {TEMPERATURE_MAX:g}")
+    p.add_argument("--top-p", help="above 0, at most 1 (default: 1, off)")
+    p.add_argument("--top-k", help="0 = off (default)")
+    p.add_argument("--seed", help="random seed for sampling (with --samples: the first of N)")
+    p.add_argument("--max-new-tokens", help=f"default: {DEFAULT_MAX_NEW_TOKENS}")
     p.add_argument("--chat", action="store_true", help="send the prompt as one user message through chat templates")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="the prompt text")
@@ -308,8 +294,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--samples", type=_at_least_one, metavar="N", help="N independent generations, seeds S..S+N-1")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
     p.add_argument("--device", choices=["cpu", "cuda"], help="default: cuda when present")
-    p.add_argument("--precision", choices=["nf4", "int8", "bf16", "fp16", "fp32"],
-                   help="override the catalog's precision for both models")  # fmt: skip
+    p.add_argument("--precision", choices=PRECISIONS, help="override the catalog's precision for both models")
     p.set_defaults(func=cmd_generate)
 
     from .bench import add_arguments

@@ -10,6 +10,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from .settings import check_temperature, check_top_k, check_top_p
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -21,12 +23,11 @@ class SamplingParams:
     seed: int | None = None
 
     def __post_init__(self):
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0 (0 turns it off), got {self.top_k}")
-        if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        # the user-facing ranges and messages (settings.GenerationSettings makes these from what users send); the
+        # seed may be any integer here (make_generator maps negative ones too), users give 0 to settings.SEED_MAX
+        check_temperature(self.temperature)
+        check_top_k(self.top_k)
+        check_top_p(self.top_p)
 
     @property
     def greedy(self) -> bool:
