@@ -166,3 +166,25 @@ def test_stop_string_ends_the_answer_where_plain_text_first_contains_it(pair, al
     assert done.stats.stop_reason == "stop_string"
     assert stop in done.text and stop not in done.text[:-1]  # the last token completed it, not an earlier one
     assert list(done.target_ids) == list(plain.target_ids[: len(done.target_ids)])
+
+
+@pytest.fixture(scope="module")
+def other_backend_pair(pair):
+    """The pair with its fp32 Linear layers on the other backend than the loader chose here (usd/cpu_kernels.py):
+    whichever this machine picks, both ways of running the model are held to the same bar."""
+    from usd.cpu_kernels import backend_of, use_default, use_onednn
+
+    models = [copy.deepcopy(pair.target), copy.deepcopy(pair.drafter)]
+    for m in models:
+        (use_default if backend_of(m) == "onednn" else use_onednn)(m)
+    return Pair(models[0], pair.target_tokenizer, models[1], pair.drafter_tokenizer, "qwen", "smol", 32768)
+
+
+@pytest.mark.parametrize("prompt", [PROMPTS[0], PROMPTS[2], PROMPTS[3], PROMPTS[6]], ids=range(4))
+def test_the_other_linear_backend_equals_plain_greedy_too(other_backend_pair, prompt):
+    p = other_backend_pair
+    ids, dids = p.target_tokenizer.encode(prompt), p.drafter_tokenizer.encode(prompt)
+    ref = plain_greedy(p.target, ids)
+    for algorithm, k in [("tli", 4), ("slem", 4), ("auto", "auto")]:
+        *_, done = stream(p, ids, dids, algorithm=algorithm, k=k, max_new_tokens=MAX_NEW)
+        check_same(done, ref, p.eos_ids(), f"{algorithm} on the other backend, {prompt[:30]!r}")

@@ -358,6 +358,10 @@ def load_model(
     except StoreError as e:
         raise LoadError(f"{entry.name}: {e}") from None
     model.eval()
+    if device == "cpu" and plan.precision == "fp32":
+        from .cpu_kernels import choose_linear_backend
+
+        choose_linear_backend(model, entry.name, cache_dir(), log)
     return LoadedModel(entry.name, model, tokenizer, plan, path, entry)
 
 
