@@ -1,5 +1,6 @@
 """What the OpenAI-compatible server costs: time to first token and tokens/s of the same greedy generation through
-`usd.stream` in-process and through /v1 (streamed, the official `openai` client, 127.0.0.1), alternating, in one run.
+`usd.stream` in-process (on a thread of its own, as the server runs it) and through /v1 (streamed, the official
+`openai` client, 127.0.0.1), alternating, in one run.
 
     python scripts/server_overhead.py --max-tokens 32 --reps 3 --algorithm slem
 
@@ -45,6 +46,15 @@ def main() -> None:
     settings = usd.GenerationSettings(algorithm=args.algorithm, max_new_tokens=args.max_tokens)
 
     def direct():
+        # On a fresh thread, as the server (and the app) run each generation: on this machine, under load, the same
+        # generation on the main thread ran 3-10x slower than on a worker thread, with or without a server.
+        out = []
+        worker = threading.Thread(target=lambda: out.append(direct_here()))
+        worker.start()
+        worker.join()
+        return out[0]
+
+    def direct_here():
         t0 = time.perf_counter()
         first, text = None, ""
         for event in usd.stream(pair, messages=messages, settings=settings):
@@ -69,9 +79,11 @@ def main() -> None:
 
     direct()  # warm-up: first forwards, auto's and the renderings' memory
     runs = {"usd.stream": [], "/v1": []}
-    for _ in range(args.reps):
-        for name, fn in (("usd.stream", direct), ("/v1", served)):
+    for i in range(args.reps):
+        order = (("usd.stream", direct), ("/v1", served))
+        for name, fn in order if i % 2 == 0 else order[::-1]:  # alternating, and which goes first too
             runs[name].append(fn())
+            print(f"  run {i + 1} {name:10} ttft {runs[name][-1][0]:.3f} s  {runs[name][-1][1]:.2f} tokens/s")
     texts = {r[2] for rs in runs.values() for r in rs}
     med = {name: (statistics.median(r[0] for r in rs), statistics.median(r[1] for r in rs))
            for name, rs in runs.items()}  # fmt: skip

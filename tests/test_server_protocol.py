@@ -113,3 +113,18 @@ def test_slots_limit_running_and_waiting():
         with slots.hold(cancel) as ok:
             assert ok is False  # stopped while waiting: holds nothing
     assert slots.running == 0 and slots.waiting == 0
+
+
+def test_in_space_mode_a_request_may_name_only_what_the_space_serves(monkeypatch):
+    from app.pairs import Pairs
+    from app.v1 import AppService
+    from usd.catalog import load_catalog
+
+    monkeypatch.setenv("USD_CHAT_SPACE_MODELS", "")
+    catalog = load_catalog()
+    service = AppService(Pairs(catalog, space_mode=True))
+    assert service.resolve(catalog.default.target) == catalog.default.target
+    with pytest.raises(p.APIError, match=r"'qwen2\.5-32b-instruct' is not served here; this Space serves only") as e:
+        service.resolve("qwen2.5-32b-instruct")
+    assert e.value.status == 404 and e.value.code == "model_not_found"
+    assert "qwen2.5-32b-instruct" not in [m["id"] for m in service.models()]
