@@ -1,4 +1,5 @@
-"""`python -m app` / `usd-chat`: load the default pair (fetching it on first run) and start the UI on 127.0.0.1."""
+"""`python -m app` / `usd-chat`: load the default pair (fetching it on first run) and start the UI on 127.0.0.1, with
+the OpenAI-compatible /v1 routes on the same pair; or, with --backend, a front end for an OpenAI-compatible server."""
 
 from __future__ import annotations
 
@@ -8,17 +9,34 @@ import sys
 
 from usd.settings import PRECISIONS
 
+API_KEY_ENV = "USD_API_KEY"
+
 
 def create(target: str | None = None, drafter: str | None = None, space: bool | None = None,
-           device: str | None = None, precision: str | None = None, log=print):  # fmt: skip
-    """Load the pair and build the Blocks (not launched). A pair that fails to load leaves the UI up, saying why."""
+           device: str | None = None, precision: str | None = None, log=print, backend: str | None = None,
+           api_key: str | None = None):  # fmt: skip
+    """Load the pair and build the Blocks (not launched), with the /v1 routes on the same pair (added at launch).
+    A pair that fails to load leaves the UI up, saying why. With `backend` (an OpenAI-compatible server's /v1 URL)
+    the UI is a front end for that server instead: no local pair, no /v1 of its own."""
     from usd.catalog import load_catalog
+    from usd.serve.slots import Slots
 
     from .pairs import Pairs
-    from .space import space_mode
+    from .space import gpu, space_mode
     from .ui import build
+    from .v1 import AppService
 
     catalog = load_catalog()
+    api_key = api_key if api_key is not None else os.environ.get(API_KEY_ENV)
+    if backend:
+        from . import remote
+
+        pairs = remote.RemotePairs(backend, api_key, catalog)
+        try:
+            pairs.connect()
+        except (ValueError, OSError, RuntimeError) as e:  # LoadError: say so, keep going; it is asked again later
+            log(f"usd-chat: {e}\nThe UI starts anyway and asks the backend again at the first request.")
+        return build(pairs, stream=remote.stream), pairs
     pairs = Pairs(catalog, space_mode() if space is None else space, device=device, precision=precision)
     target, drafter = target or catalog.default.target, drafter or catalog.default.drafter
     try:
@@ -26,14 +44,25 @@ def create(target: str | None = None, drafter: str | None = None, space: bool | 
     except (ValueError, OSError, RuntimeError) as e:  # LoadError, SpaceModeError, StoreError: say so, keep going
         log(f"usd-chat: could not load {target} + {drafter}: {e}\nThe UI starts without a pair; load one in its "
             "Pair tab.")  # fmt: skip
-    return build(pairs), pairs
+    slots = Slots()
+    demo = build(pairs, slots)
+    demo.usd_v1 = AppService(pairs, slots=slots, api_key=api_key, wrap=gpu)  # launch() adds its routes
+    return demo, pairs
 
 
 def launch(demo, host: str, port: int | None, share: bool = False, concurrency: int = 1, max_queue: int = 16,
            **kwargs):  # fmt: skip
+    from usd.serve.routes import create_router
+
     from .ui import CSS_PATH
 
     demo.queue(default_concurrency_limit=concurrency, max_size=max_queue)
+    service = getattr(demo, "usd_v1", None)
+    if service is not None:  # the /v1 routes, in Gradio's own FastAPI app from its start, sharing the UI's slots
+        service.slots.configure(concurrency, max_queue)
+        app_kwargs = dict(kwargs.pop("app_kwargs", None) or {})
+        app_kwargs["routes"] = [*app_kwargs.get("routes", []), *create_router(service).routes]
+        kwargs["app_kwargs"] = app_kwargs
     return demo.launch(server_name=host, server_port=port, share=share, css_paths=[CSS_PATH], **kwargs)
 
 
@@ -53,12 +82,17 @@ def main(argv: list[str] | None = None) -> int:
                         "paths (also USD_CHAT_SPACE=1)")
     parser.add_argument("--concurrency", type=int, default=1, help="generations running at once (default 1)")
     parser.add_argument("--max-queue", type=int, default=16, help="requests waiting at most; more are turned away")
+    parser.add_argument("--backend", metavar="URL", help="be a front end for this OpenAI-compatible server (its /v1 "
+                        "URL, e.g. http://127.0.0.1:8000/v1) instead of loading a pair")  # fmt: skip
+    parser.add_argument("--api-key", help=f"with --backend, the key sent to it; otherwise the key this app's /v1 "
+                        f"routes require (default: ${API_KEY_ENV}; unset: none)")  # fmt: skip
     args = parser.parse_args(argv)
 
     from .space import SpaceModelsError
 
     try:
-        demo, _ = create(args.target, args.drafter, args.space, args.device, args.precision)
+        demo, _ = create(args.target, args.drafter, args.space, args.device, args.precision, backend=args.backend,
+                         api_key=args.api_key)  # fmt: skip
     except SpaceModelsError as e:  # the deployer's list of served models is wrong: say which name, exit
         parser.error(str(e))
     launch(demo, args.host, args.port, args.share, args.concurrency, args.max_queue)

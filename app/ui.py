@@ -21,6 +21,7 @@ import pandas as pd
 from usd import api
 from usd.chat import check_prompt
 from usd.loading import LoadError
+from usd.serve.slots import Slots
 from usd.settings import ALGORITHMS, DRAFT_TOKENS_MAX, MAX_NEW_TOKENS_MAX, GenerationSettings
 
 from . import render
@@ -196,9 +197,13 @@ def column(live: render.Live | None, label: str) -> tuple[str, str]:
 class Handlers:
     """What the app's events and API endpoints run, on the one loaded pair (`Pairs`) and each session's Stop."""
 
-    def __init__(self, pairs: Pairs):
+    def __init__(self, pairs: Pairs, slots: Slots | None = None, stream=api.stream):
         self.pairs = pairs
         self.cancels = Cancels()
+        self.slots = slots
+        """Shared with the app's /v1 routes: generations run at once across the UI and /v1, counted together."""
+        self.stream = stream
+        """`usd.stream`, or the remote backend's stream of the same events (`app.remote`)."""
 
     # --- shared ----------------------------------------------------------------------------------------------------
 
@@ -230,15 +235,19 @@ class Handlers:
         pair, key = self.pairs.current(), self.pairs.key()
         live = render.Live(s.algorithm, baseline_tokens_per_s=self.pairs.baselines.get(key))
         cancel = cancel or threading.Event()
-        events = in_background(
-            lambda: api.stream(pair, prompt, messages=messages, chat_mode=chat_mode, settings=s, cancel=cancel), cancel)
-        try:
-            for batch in events:
-                for event in batch:
-                    live.add(event)
-                yield live
-        except ValueError as e:  # PromptError included: the prompt, the context length, an algorithm the pair lacks
-            raise InputError(str(e)) from None
+        hold = self.slots.hold(cancel) if self.slots else contextlib.nullcontext(True)
+        with hold as running:
+            if not running:  # stopped while waiting for a slot
+                return
+            events = in_background(lambda: self.stream(pair, prompt, messages=messages, chat_mode=chat_mode,
+                                                       settings=s, cancel=cancel), cancel)  # fmt: skip
+            try:
+                for batch in events:
+                    for event in batch:
+                        live.add(event)
+                    yield live
+            except ValueError as e:  # PromptError included: the prompt, the context, an algorithm the pair lacks
+                raise InputError(str(e)) from None
         done = live.finished
         if s.algorithm == "none" and done is not None and done.stats.tokens >= 8:
             self.pairs.baselines[key] = done.stats.tokens_per_s
@@ -286,7 +295,7 @@ class Handlers:
     def _divergence(self, prompt, plain, spec, greedy: bool):
         """At a greedy difference, ask the target whether its two best tokens were a near-tie there (rounding)."""
         first = render.first_difference(plain.finished.target_ids, spec.finished.target_ids)
-        if not greedy or first is None:
+        if not greedy or first is None or self.stream is not api.stream:  # a remote backend sends no ids
             return None
         return api.divergence(self.pairs.current(), plain.finished.target_ids, first, prompt, chat_mode=True)
 
@@ -351,8 +360,8 @@ class Handlers:
 # --- the page --------------------------------------------------------------------------------------------------------
 
 
-def build(pairs: Pairs) -> gr.Blocks:
-    h = Handlers(pairs)
+def build(pairs: Pairs, slots: Slots | None = None, stream=api.stream) -> gr.Blocks:
+    h = Handlers(pairs, slots, stream)
     with gr.Blocks(title="usd-chat") as demo:
         gr.Markdown("# usd-chat · universal speculative decoding\nThe drafter proposes, the target verifies: the "
                     "answer is exactly the target's own, with every drafted token shown kept or thrown away.")

@@ -75,20 +75,31 @@ def stream(
         messages = [{"role": "user", "content": chat.check_prompt(prompt)}]
     rendering = chat.choose_rendering(pair.memory, drafter_rendering)
     t_ids, d_ids = chat.prompt_ids(pair, prompt, messages, rendering)
-    limit = pair.context_length
-    if limit and len(t_ids) + s.max_new_tokens > limit:
-        if len(t_ids) >= limit:
-            raise chat.PromptError(f"the prompt is {len(t_ids):,} tokens, longer than {pair.target_name}'s context of "
-                                   f"{limit:,} tokens; shorten it or start a new chat")  # fmt: skip
-        raise chat.PromptError(f"the prompt ({len(t_ids):,} tokens) plus max new tokens ({s.max_new_tokens:,}) "
-                               f"exceeds {pair.target_name}'s context of {limit:,} tokens; lower max new tokens to at "
-                               f"most {limit - len(t_ids):,} or shorten the prompt")  # fmt: skip
+    check_context(pair, len(t_ids), s.max_new_tokens)
     events = decoder.stream(pair, t_ids, d_ids, algorithm=s.algorithm, k=s.draft_tokens, params=s.sampling_params(),
                             max_new_tokens=s.max_new_tokens, stop_strings=s.stop_strings, cancel=cancel)  # fmt: skip
     for event in events:
         if isinstance(event, Finished) and messages is not None and pair.drafter is not None:
             chat.record_rendering(pair.memory, rendering, event.stats.accepted, event.stats.drafted)
         yield event
+
+
+class ContextLengthError(chat.PromptError):
+    """The prompt, or the prompt plus max new tokens, does not fit the target's context."""
+
+
+def check_context(pair: Pair, prompt_tokens: int, max_new_tokens: int) -> None:
+    """`stream`'s context check, on its own: raises ContextLengthError, saying what to change, when a prompt of
+    `prompt_tokens` target tokens plus `max_new_tokens` does not fit the target's context (the server checks this
+    before a request queues)."""
+    limit = pair.context_length
+    if limit and prompt_tokens + max_new_tokens > limit:
+        if prompt_tokens >= limit:
+            raise ContextLengthError(f"the prompt is {prompt_tokens:,} tokens, longer than {pair.target_name}'s "
+                                     f"context of {limit:,} tokens; shorten it or start a new chat")  # fmt: skip
+        raise ContextLengthError(f"the prompt ({prompt_tokens:,} tokens) plus max new tokens ({max_new_tokens:,}) "
+                                 f"exceeds {pair.target_name}'s context of {limit:,} tokens; lower max new tokens to "
+                                 f"at most {limit - prompt_tokens:,} or shorten the prompt")  # fmt: skip
 
 
 def generate(pair: Pair, prompt: str | None = None, **kwargs) -> Finished:

@@ -1,4 +1,4 @@
-"""The `usd` command line: pull, models, overlap, generate, bench, project."""
+"""The `usd` command line: pull, models, overlap, generate, bench, project, serve."""
 
 from __future__ import annotations
 
@@ -244,6 +244,12 @@ def cmd_project(args) -> int:
     return run_cli(args)
 
 
+def cmd_serve(args) -> int:
+    from .serve.main import run_cli
+
+    return run_cli(args, _catalog(args))
+
+
 def _config_vocab(path) -> int | None:
     try:
         cfg = json.loads((path / "config.json").read_text())
@@ -308,6 +314,12 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("project", help="expected speedup over k on profiled hardware (theory + measured c and v)")
     project_arguments(p)
     p.set_defaults(func=cmd_project)
+
+    from .serve.main import add_arguments as serve_arguments
+
+    p = sub.add_parser("serve", help="an OpenAI-compatible server (/v1) on the pair, loaded once")
+    serve_arguments(p)
+    p.set_defaults(func=cmd_serve)
     return parser
 
 

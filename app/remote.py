@@ -1,0 +1,213 @@
+"""The app as a front end for any OpenAI-compatible server (`python -m app --backend URL`): chat and compare stream
+from the server instead of a local pair.
+
+The server's stream is turned into the engine's own events (`Round`, `Finished`), so the UI renders it unchanged.
+From `usd serve`, each chunk carries its round's pieces and the stats so far (the `speculative` extension), so the
+token view and the stats panel are exactly the local ones. From any other server, each chunk becomes one plain piece,
+and the stats are what it reports: the token count (usage) and, from vLLM with per-request metrics on, its
+`metrics.speculative_decoding` (drafted, accepted, verification steps)."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from usd.catalog import Catalog
+from usd.events import Finished, Piece, Round, Stats
+from usd.loading import LoadError
+from usd.settings import GenerationSettings
+
+from .pairs import Choice
+
+
+@dataclass
+class RemoteModel:
+    """What a remote 'pair' is: a model id on a server, and whether the server is `usd serve`."""
+
+    client: object
+    model: str
+    drafter: str | None
+    usd: bool
+
+
+class RemotePairs:
+    """The `Pairs` the UI uses, backed by a server: its models are what the Pair tab offers; the server decides each
+    model's drafter."""
+
+    space_mode = False
+
+    def __init__(self, base_url: str, api_key: str | None, catalog: Catalog):
+        try:
+            from openai import OpenAI
+        except ImportError:
+            raise LoadError("--backend needs the openai package: pip install 'usd-chat[remote]'") from None
+        self.url = base_url
+        self.catalog = catalog
+        self.client = OpenAI(base_url=base_url, api_key=api_key or "none", max_retries=0)
+        self.baselines: dict[tuple, float] = {}
+        self.pair: RemoteModel | None = None
+        self.loaded: Choice | None = None
+        self.models: dict[str, dict] = {}
+        self.allowed: list[str] = []
+
+    def connect(self) -> None:
+        """Ask the server what it serves and pick its first model."""
+        import openai
+
+        try:
+            listed = self.client.models.list().data
+        except openai.APIError as e:
+            raise LoadError(f"cannot list the models of {self.url}: {_message(e)}") from None
+        if not listed:
+            raise LoadError(f"{self.url} serves no models")
+        self.models = {m.id: (m.model_extra or {}) | {"owned_by": m.owned_by} for m in listed}
+        drafters = [d for d in (info.get("drafter") for info in self.models.values()) if d and d not in self.models]
+        self.allowed = [*self.models, *dict.fromkeys(drafters)]
+        self._use(listed[0].id)
+
+    def _use(self, model: str) -> None:
+        info = self.models[model]
+        drafter = info.get("drafter")
+        self.pair = RemoteModel(self.client, model, drafter, info.get("owned_by") == "usd-chat")
+        self.loaded = Choice(model, drafter or "(the server's)")
+
+    def load(self, target: str, drafter: str, log=print):
+        if not self.models:
+            self.connect()
+        target, drafter = (target or "").strip(), (drafter or "").strip()
+        if target not in self.models:
+            raise LoadError(f"{self.url} does not serve {target!r}; it serves {', '.join(self.models)}")
+        server_drafter = self.models[target].get("drafter")
+        if drafter and server_drafter and drafter != server_drafter:
+            raise LoadError(f"{self.url} decides the drafter: {target} runs with {server_drafter}")
+        self._use(target)
+        return self.pair
+
+    def current(self) -> RemoteModel:
+        if self.pair is None:
+            self.connect()
+        return self.pair
+
+    def preview(self, target: str, drafter: str) -> str:
+        return (f"Served by `{self.url}`: the server loads its models and decides each one's drafter "
+                f"(`{target}` runs with `{self.models.get(target, {}).get('drafter') or 'its own'}`).")  # fmt: skip
+
+    def describe(self) -> str:
+        if self.loaded is None:
+            return f"Backend `{self.url}`: not reached yet."
+        return f"Backend `{self.url}`: target `{self.loaded.target}` · drafter `{self.loaded.drafter}`"
+
+    def key(self) -> tuple:
+        return ("remote", self.url, self.loaded.target if self.loaded else "")
+
+
+def _message(e) -> str:
+    body = getattr(e, "body", None)
+    if isinstance(body, dict) and isinstance(body.get("message"), str):
+        return body["message"]
+    return str(getattr(e, "message", e))
+
+
+def stream(model: RemoteModel, prompt: str | None = None, *, messages: list[dict] | None = None,
+           chat_mode: bool = False, settings: GenerationSettings, cancel=None):  # fmt: skip
+    """`usd.stream`'s events, from the server. Settings the server cannot be told are refused, not ignored."""
+    import openai
+
+    s = settings
+    if messages is None and chat_mode:
+        messages = [{"role": "user", "content": prompt}]
+    extra: dict = {}
+    if model.usd:
+        extra["speculative"] = {"algorithm": s.algorithm, "draft_tokens": s.draft_tokens, "pieces": True}
+    elif s.algorithm != "auto" or s.draft_tokens != "auto":
+        raise ValueError("this backend decides how it speculates: algorithm and draft tokens (and Compare, which "
+                         "runs algorithm none) apply to a `usd serve` backend only; use auto")  # fmt: skip
+    if s.top_k:
+        extra["top_k"] = s.top_k  # usd serve and vLLM take it; a server that does not will say so
+    args = {"model": model.model, "stream": True, "stream_options": {"include_usage": True},
+            "max_tokens": s.max_new_tokens, "temperature": s.temperature, "top_p": s.top_p, "seed": s.seed,
+            "stop": list(s.stop_strings) or None, "extra_body": extra or None}  # fmt: skip
+    started = time.perf_counter()
+    live = _Remote(started)
+    try:
+        if messages is not None:
+            response = model.client.chat.completions.create(messages=messages, **args)
+        else:
+            response = model.client.completions.create(prompt=prompt, **args)
+        with response:
+            for chunk in response:
+                if cancel is not None and cancel.is_set():
+                    live.stop_reason = "cancelled"
+                    break  # leaving the with-block closes the connection, which cancels the server's generation
+                event = live.add(chunk, chat=messages is not None)
+                if event is not None:
+                    yield event
+    except openai.APIStatusError as e:
+        raise ValueError(f"the backend refused: {_message(e)}") from None
+    except openai.APIConnectionError as e:
+        raise LoadError(f"cannot reach the backend {model.client.base_url}: {e}") from None
+    yield Finished(text=live.text, target_ids=(), stats=live.stats())
+
+
+class _Remote:
+    """The running state of one remote answer."""
+
+    def __init__(self, started: float):
+        self.started = started
+        self.text = ""
+        self.rounds = 0
+        self.tokens: int | None = None
+        self.spec: dict | None = None
+        self.vllm: dict | None = None
+        self.stop_reason: str | None = None
+
+    def add(self, chunk, chat: bool) -> Round | None:
+        extra = chunk.model_extra or {}
+        if chunk.usage is not None:
+            self.tokens = chunk.usage.completion_tokens
+        metrics = extra.get("metrics")
+        if isinstance(metrics, dict) and isinstance(metrics.get("speculative_decoding"), dict):
+            self.vllm = metrics["speculative_decoding"]
+        spec = extra.get("speculative")
+        if isinstance(spec, dict):
+            self.spec = {k: v for k, v in spec.items() if k not in ("pieces", "round", "k", "expected_speedup")}
+        text, reason = "", None
+        if chunk.choices:
+            choice = chunk.choices[0]
+            text = (choice.delta.content if chat else choice.text) or ""
+            reason = choice.finish_reason
+        self.text += text
+        if reason is not None and self.stop_reason is None:
+            self.stop_reason = (self.spec or {}).get("stop_reason") or ("max_tokens" if reason == "length" else "eos")
+        if isinstance(spec, dict) and "pieces" in spec:
+            self.rounds = int(spec.get("round", self.rounds + 1))
+            pieces = tuple(Piece(text=p["text"], kind=p["kind"], target_id=p.get("target_id"), round=p["round"],
+                                 drafter_ids=tuple(p.get("drafter_ids") or ())) for p in spec["pieces"])  # fmt: skip
+            drafted = sum(p.kind in ("accepted", "rejected") for p in pieces)
+            accepted = sum(p.kind == "accepted" for p in pieces)
+            return Round(index=self.rounds, k=int(spec.get("k") or 0), pieces=pieces, drafted=drafted,
+                         accepted=accepted, draft_s=0.0, verify_s=0.0, other_s=0.0, stats=self.stats(),
+                         expected_speedup=spec.get("expected_speedup"))  # fmt: skip
+        if not text:
+            return None
+        self.rounds += 1
+        piece = Piece(text=text, kind="target", target_id=None, round=self.rounds)
+        return Round(index=self.rounds, k=0, pieces=(piece,), drafted=0, accepted=0, draft_s=0.0, verify_s=0.0,
+                     other_s=0.0, stats=self.stats())  # fmt: skip
+
+    def stats(self) -> Stats:
+        if self.spec:  # usd serve: the engine's own numbers
+            s = self.spec
+            return Stats(algorithm=s.get("algorithm", "auto"), rounds=s.get("rounds", 0),
+                         drafted=s.get("num_draft_tokens", 0), accepted=s.get("num_accepted_draft_tokens", 0),
+                         tokens=s.get("tokens", 0), wall_s=s.get("wall_s", 0.0),
+                         stop_reason=self.stop_reason if self.stop_reason == "cancelled" else s.get("stop_reason"),
+                         c=s.get("c"), v=s.get("v"), mean_k=s.get("mean_k") or 0.0,
+                         rounds_by_algorithm=s.get("rounds_by_algorithm") or {}, forward_s=s.get("forward_s") or 0.0,
+                         drafting_stopped=s.get("drafting_stopped"), step_s=s.get("step_s"))  # fmt: skip
+        tokens = self.tokens if self.tokens is not None else self.rounds
+        v = self.vllm or {}
+        return Stats(algorithm="server", rounds=v.get("num_spec_steps") or self.rounds,
+                     drafted=v.get("num_draft_tokens", 0), accepted=v.get("num_accepted_draft_tokens", 0),
+                     tokens=tokens, wall_s=time.perf_counter() - self.started, stop_reason=self.stop_reason,
+                     c=None, v=None, mean_k=v.get("num_spec_tokens") or 0.0)  # fmt: skip

@@ -1,0 +1,130 @@
+"""The server's wire format and its slots, without models: requests read into GenerationSettings, refusals by name,
+stop strings cut as OpenAI cuts them, and the shared concurrency limit."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from usd.serve import protocol as p
+from usd.serve.slots import QueueFull, Slots
+
+
+def chat(**fields):
+    return p.parse(p.ChatRequest, {"model": "m", "messages": [{"role": "user", "content": "hi"}], **fields})
+
+
+def test_settings_come_from_generation_settings_with_openai_names():
+    s = p.settings_of(chat(max_completion_tokens=12, temperature="0.5", top_p=0.9, seed=3, stop="\n",
+                           speculative={"algorithm": "slem", "draft_tokens": 4}, top_k=5))  # fmt: skip
+    assert (s.max_new_tokens, s.temperature, s.top_p, s.seed, s.stop_strings) == (12, 0.5, 0.9, 3, ("\n",))
+    assert (s.algorithm, s.draft_tokens, s.top_k) == ("slem", 4, 5)
+    assert p.settings_of(chat()).temperature == 0.0  # the engine's defaults (greedy), not OpenAI's
+
+
+@pytest.mark.parametrize(
+    ("fields", "param", "message"),
+    [
+        ({"temperature": 9}, "temperature", "temperature must be a number from 0 (greedy) to 5, got 9"),
+        ({"max_tokens": 0}, "max_tokens", "max new tokens must be a whole number from 1 to 4,096"),
+        ({"max_completion_tokens": 5000}, "max_completion_tokens", "max new tokens must be a whole number"),
+        ({"speculative": {"algorithm": "fastest"}}, "speculative.algorithm", "unknown algorithm 'fastest'"),
+        ({"speculative": {"draft_tokens": 99}}, "speculative.draft_tokens", "draft tokens must be auto or"),
+        ({"stop": 5}, "stop", "stop strings must be a list of texts"),
+        ({"max_tokens": 4, "max_completion_tokens": 5}, "max_completion_tokens", "differ"),
+    ],
+)
+def test_bad_settings_are_400s_with_the_engines_message_and_the_field(fields, param, message):
+    with pytest.raises(p.APIError) as err:
+        p.settings_of(chat(**fields))
+    assert err.value.status == 400 and err.value.param == param and message in err.value.message
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"n": 2}, "one choice per request"),
+        ({"logprobs": True}, "log probabilities"),
+        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tool and function calling"),
+        ({"presence_penalty": 0.5}, "penalties"),
+        ({"response_format": {"type": "json_object"}}, "structured output"),
+        ({"frobnicate": 1}, "unknown field 'frobnicate'"),
+        ({"speculative": {"colour": "green"}}, "unknown field 'speculative.colour'"),
+    ],
+)
+def test_what_the_engine_cannot_honour_is_refused_by_name(fields, message):
+    with pytest.raises(p.APIError, match=message) as err:
+        chat(**fields)
+    assert err.value.status == 400
+
+
+def test_no_op_values_of_unsupported_fields_pass():
+    chat(n=1, logprobs=False, presence_penalty=0, tools=[], tool_choice="none", user="u", metadata={"a": "b"},
+         response_format={"type": "text"})  # fmt: skip
+
+
+def test_messages_and_prompts():
+    req = chat(messages=[{"role": "developer", "content": "be brief"},
+                         {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}])
+    assert p.chat_messages(req) == [{"role": "system", "content": "be brief"}, {"role": "user", "content": "ab"}]
+    for messages, message in [([{"role": "user", "content": "hi", "name": "x"}], "'name' not supported"),
+                              ([{"role": "tool", "content": "x"}], "tool and function calling"),
+                              ([{"role": "user", "content": [{"type": "image_url"}]}], "only text"),
+                              ([{"role": "assistant", "content": "x"}], "the last message must be the user's")]:
+        with pytest.raises(p.APIError, match=message):
+            p.chat_messages(chat(messages=messages))
+    completion = p.parse(p.CompletionRequest, {"model": "m", "prompt": ["once"]})
+    assert p.completion_prompt(completion) == "once"
+    with pytest.raises(p.APIError, match="token ids"):
+        p.completion_prompt(p.parse(p.CompletionRequest, {"model": "m", "prompt": [1, 2]}))
+    with pytest.raises(p.APIError, match="model is required"):
+        p.parse(p.CompletionRequest, {"prompt": "x"})
+
+
+def test_stop_strings_end_the_text_before_them_even_across_chunks():
+    assert p.trimmed("Hello, world. Bye", ("world",)) == "Hello, "
+    trim, out = p.StopTrim(("END", "\n\n")), ""
+    for piece in ["a E", "N", "x b\n", "c\n", "\nmore"]:
+        out += trim.feed(piece)
+    assert out + trim.end() == "a ENx b\nc"
+    trim = p.StopTrim(("END",))
+    assert trim.feed("abc E") == "abc " and trim.end() == "E"  # a held-back start that never completed comes at end
+
+
+def test_slots_limit_running_and_waiting():
+    slots = Slots(concurrency=1, max_queue=1)
+    order = []
+    with slots.hold() as ok:
+        assert ok and slots.running == 1
+        waiter = slots.join()
+        with pytest.raises(QueueFull, match="busy"):
+            slots.join()
+        t = threading.Thread(target=lambda: (waiter.wait(), order.append("second"), waiter.leave()))
+        t.start()
+        time.sleep(0.2)
+        assert order == []
+    t.join(5)
+    assert order == ["second"] and slots.running == 0 and slots.waiting == 0
+    cancel = threading.Event()
+    with slots.hold():
+        cancel.set()
+        with slots.hold(cancel) as ok:
+            assert ok is False  # stopped while waiting: holds nothing
+    assert slots.running == 0 and slots.waiting == 0
+
+
+def test_in_space_mode_a_request_may_name_only_what_the_space_serves(monkeypatch):
+    from app.pairs import Pairs
+    from app.v1 import AppService
+    from usd.catalog import load_catalog
+
+    monkeypatch.setenv("USD_CHAT_SPACE_MODELS", "")
+    catalog = load_catalog()
+    service = AppService(Pairs(catalog, space_mode=True))
+    assert service.resolve(catalog.default.target) == catalog.default.target
+    with pytest.raises(p.APIError, match=r"'qwen2\.5-32b-instruct' is not served here; this Space serves only") as e:
+        service.resolve("qwen2.5-32b-instruct")
+    assert e.value.status == 404 and e.value.code == "model_not_found"
+    assert "qwen2.5-32b-instruct" not in [m["id"] for m in service.models()]

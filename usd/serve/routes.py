@@ -1,0 +1,257 @@
+"""The /v1 routes (FastAPI): GET /v1/models, POST /v1/chat/completions and POST /v1/completions, plain or streamed
+as server-sent events. `usd serve` runs them on their own; the app adds them to its Gradio server, on its one pair."""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import secrets
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import Annotated
+
+from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.responses import JSONResponse
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from fastapi.sse import EventSourceResponse, format_sse_event
+
+from usd import api, chat
+from usd.events import Finished, Round
+from usd.loading import LoadError
+from usd.pair import Pair
+
+from . import protocol as p
+from .jobs import ClientGone, Job
+from .slots import QueueFull, Slots
+
+log = logging.getLogger("usd.serve")
+
+
+class Service:
+    """What the routes serve: the models a request may name, the pair to run each on, the shared slots, the key.
+    `wrap` wraps the function that runs the models (the app passes ZeroGPU's decorator)."""
+
+    def __init__(self, slots: Slots | None = None, api_key: str | None = None, wrap: Callable = lambda fn: fn):
+        self.slots = slots or Slots()
+        self.api_key = api_key or None
+        self.wrap = wrap
+        self.started = int(time.time())
+
+    def models(self) -> list[dict]:
+        raise NotImplementedError
+
+    def resolve(self, model: str) -> str:
+        """The served name `model` means; APIError 404 when it names nothing served here."""
+        raise NotImplementedError
+
+    def loaded(self, name: str) -> Pair | None:
+        """The pair for `name` if it is loaded now (its prompt can be checked before the request queues)."""
+        raise NotImplementedError
+
+    def pair(self, name: str) -> Pair:
+        """The pair for `name`, loading it if needed; called holding a slot."""
+        raise NotImplementedError
+
+    def model_card(self, name: str, drafter: str | None, loaded: bool) -> dict:
+        return {"id": name, "object": "model", "created": self.started, "owned_by": "usd-chat", "drafter": drafter,
+                "loaded": loaded}  # fmt: skip
+
+
+class FixedPair(Service):
+    """`usd serve`: one pair, loaded once; a request names its target."""
+
+    def __init__(self, pair: Pair, **kwargs):
+        super().__init__(**kwargs)
+        self._pair = pair
+
+    def models(self) -> list[dict]:
+        return [self.model_card(self._pair.target_name, self._pair.drafter_name, True)]
+
+    def resolve(self, model: str) -> str:
+        if model != self._pair.target_name:
+            raise p.APIError(404, f"model {model!r} is not served here; this server serves "
+                                  f"{self._pair.target_name!r} (GET /v1/models lists it)", "model",
+                             "model_not_found")  # fmt: skip
+        return model
+
+    def loaded(self, name: str) -> Pair:
+        return self._pair
+
+    def pair(self, name: str) -> Pair:
+        return self._pair
+
+
+bearer = HTTPBearer(auto_error=False, description="the server's API key, when it has one")
+Credentials = Annotated[HTTPAuthorizationCredentials | None, Depends(bearer)]
+
+
+def _openai_errors(route):
+    """Errors leave as OpenAI's error object with the right status, never as a traceback."""
+
+    @functools.wraps(route)
+    async def wrapped(*args, **kwargs):
+        try:
+            return await route(*args, **kwargs)
+        except p.APIError as e:
+            return JSONResponse(e.body(), status_code=e.status)
+        except ClientGone:
+            return JSONResponse(p.APIError(400, "the client disconnected").body(), status_code=400)
+        except Exception as e:
+            log.exception("request failed")
+            e = engine_error(e)
+            return JSONResponse(e.body(), status_code=e.status)
+
+    return wrapped
+
+
+def engine_error(e: BaseException) -> p.APIError:
+    """An error from the engine as the client should see it."""
+    if isinstance(e, p.APIError):
+        return e
+    if isinstance(e, api.ContextLengthError):
+        return p.bad_request(str(e), "messages", "context_length_exceeded")
+    if isinstance(e, chat.PromptError):
+        return p.bad_request(str(e), "messages")
+    if isinstance(e, QueueFull):
+        return p.APIError(429, str(e), None, "queue_full")
+    if isinstance(e, LoadError):
+        return p.APIError(503, f"the model could not be loaded: {e}", "model", "model_not_loaded")
+    if isinstance(e, ValueError):  # the engine's other input checks (e.g. an algorithm this pair cannot run)
+        return p.bad_request(str(e))
+    return p.APIError(500, f"internal error: {type(e).__name__}: {e}", None, "internal_error")
+
+
+def create_router(service: Service) -> APIRouter:
+    router = APIRouter(prefix="/v1", tags=["OpenAI-compatible"])
+
+    def check_key(credentials: HTTPAuthorizationCredentials | None) -> None:
+        if service.api_key is None:
+            return
+        if credentials is None:
+            raise p.APIError(401, "missing API key: send it as 'Authorization: Bearer KEY'", None, "invalid_api_key")
+        if not secrets.compare_digest(credentials.credentials.encode(), service.api_key.encode()):
+            raise p.APIError(401, "incorrect API key", None, "invalid_api_key")
+
+    @router.get("/models")
+    @_openai_errors
+    async def list_models(credentials: Credentials):
+        check_key(credentials)
+        return JSONResponse({"object": "list", "data": service.models()})
+
+    @router.post("/chat/completions")
+    @_openai_errors
+    async def chat_completions(request: Request, credentials: Credentials):
+        check_key(credentials)
+        return await complete(service, request, chat_api=True)
+
+    @router.post("/completions")
+    @_openai_errors
+    async def completions(request: Request, credentials: Credentials):
+        check_key(credentials)
+        return await complete(service, request, chat_api=False)
+
+    return router
+
+
+async def complete(service: Service, request: Request, chat_api: bool):
+    try:
+        body = await request.json()
+    except (ValueError, UnicodeDecodeError):
+        raise p.bad_request("the request body is not valid JSON") from None
+    req = p.parse(p.ChatRequest if chat_api else p.CompletionRequest, body)
+    settings = p.settings_of(req)
+    inputs = {"messages": p.chat_messages(req)} if chat_api else {"prompt": p.completion_prompt(req)}
+    name = service.resolve(req.model)
+    prompt_tokens = None
+    pair = service.loaded(name)
+    if pair is not None:  # the prompt against the context now, before the request waits in line for nothing
+        try:
+            prompt_tokens = len(chat.prompt_ids(pair, inputs.get("prompt"), inputs.get("messages"))[0])
+            api.check_context(pair, prompt_tokens, settings.max_new_tokens)
+        except ValueError as e:
+            raise engine_error(e) from None
+    job = Job(service, name, inputs, settings, prompt_tokens)
+    try:
+        job.start()
+    except QueueFull as e:
+        raise engine_error(e) from None
+    spec = req.speculative or p.Speculative()
+    shape = p.Shape(chat=chat_api, model=name)
+    try:
+        first = await job.next(request)  # errors (the prompt, the pair) still get their status before any stream
+    except ClientGone:
+        raise
+    except Exception as e:
+        job.stop()
+        raise engine_error(e) from None
+    except BaseException:  # the request itself was cancelled
+        job.stop()
+        raise
+    if req.stream:
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        return EventSourceResponse(stream(job, first, shape, settings.stop_strings, spec.pieces, include_usage),
+                                   headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})  # fmt: skip
+    try:
+        event, counts = first, p.Counts()
+        while not isinstance(event, Finished):
+            counts.add(event)
+            event = await job.next(request)
+    except ClientGone:
+        raise
+    except Exception as e:
+        raise engine_error(e) from None
+    finally:
+        job.stop()
+    text = p.trimmed(event.text, settings.stop_strings)
+    return JSONResponse(shape.response(text, event, job.prompt_tokens, p.speculative_stats(event.stats, counts)))
+
+
+def _sse(data) -> bytes:
+    return format_sse_event(data_str=json.dumps(data, ensure_ascii=False))
+
+
+async def stream(job: Job, first, shape: p.Shape, stops: tuple[str, ...], pieces: bool,
+                 include_usage: bool) -> AsyncIterator[bytes]:  # fmt: skip
+    """The SSE body: a chunk per round (with its pieces and the stats so far when asked), the final chunk with the
+    finish reason and the speculative stats, the usage chunk when asked, then [DONE]. A client that disconnects
+    cancels the body, and with it the generation."""
+    trim, counts, sent = p.StopTrim(stops), p.Counts(), ""
+    try:
+        if shape.chat:
+            yield _sse(shape.chunk(role=True))
+        event = first
+        while not isinstance(event, Finished):
+            assert isinstance(event, Round)
+            counts.add(event)
+            text = trim.feed("".join(piece.text for piece in event.emitted))
+            sent += text
+            if pieces:
+                extra = {"pieces": [p.piece_dict(x) for x in event.pieces], "round": event.index, "k": event.k,
+                         "expected_speedup": event.expected_speedup}  # fmt: skip
+                spec = {**(p.speculative_stats(event.stats, counts) if event.stats else {}), **extra}
+                yield _sse(shape.chunk(text, spec=spec))
+            elif text:
+                yield _sse(shape.chunk(text))
+            event = await job.next()
+        final = p.trimmed(event.text, stops)  # the engine's final text; whatever the rounds held back comes now
+        if final.startswith(sent) and len(final) > len(sent):
+            yield _sse(shape.chunk(final[len(sent) :]))
+        reason = p.finish_reason(event.stats.stop_reason)
+        yield _sse(shape.chunk(None if shape.chat else "", reason, spec=p.speculative_stats(event.stats, counts)))
+        if include_usage:
+            yield _sse(shape.usage_chunk(job.prompt_tokens or 0, len(event.target_ids)))
+    except Exception as e:  # an engine failure mid-stream: OpenAI's error object as the last event
+        log.exception("stream failed")
+        yield _sse(engine_error(e).body())
+    finally:
+        job.stop()
+    yield format_sse_event(data_str="[DONE]")
+
+
+def create_app(service: Service) -> FastAPI:
+    """A FastAPI app with just the /v1 routes (what `usd serve` runs)."""
+    app = FastAPI(title="usd serve", description="OpenAI-compatible server for universal speculative decoding",
+                  version="0.1.0")  # fmt: skip
+    app.include_router(create_router(service))
+    return app
