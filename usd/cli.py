@@ -248,13 +248,13 @@ def cmd_generate(args) -> int:
 
 
 def cmd_bench(args) -> int:
-    from .bench import run_cli
+    from .bench.run import run_cli
 
     return run_cli(args, _catalog(args))
 
 
 def cmd_project(args) -> int:
-    from .projection import run_cli
+    from .bench.projection import run_cli
 
     return run_cli(args)
 
@@ -312,13 +312,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="override the catalog's precision for both models")  # fmt: skip
     p.set_defaults(func=cmd_generate)
 
-    from .bench import add_arguments
+    from .bench.run import add_arguments
 
     p = sub.add_parser("bench", help="all algorithms side by side on a prompt set, with speedups and identity")
     add_arguments(p)
     p.set_defaults(func=cmd_bench)
 
-    from .projection import add_arguments as project_arguments
+    from .bench.projection import add_arguments as project_arguments
 
     p = sub.add_parser("project", help="expected speedup over k on profiled hardware (theory + measured c and v)")
     project_arguments(p)
