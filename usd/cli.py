@@ -90,6 +90,8 @@ def cmd_overlap(args) -> int:
     print(f"shared (as raw bytes): {report['shared']:,}  = {report['shared_pct_target']:.1f}% of the target's, "
           f"{report['shared_pct_drafter']:.1f}% of the drafter's vocabulary")  # fmt: skip
     print(f"shared without byte normalisation (identical spellings): {report['shared_without_normalisation']:,}")
+    print(f"alpha ceiling for tli: {report['alpha_ceiling_tli']:.0%} (the share of the target's tokens, on sample code "
+          "and prose, that the shared vocabulary can spell; slem drafts free text and is not bound by it)")  # fmt: skip
     return 0
 
 
