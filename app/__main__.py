@@ -5,6 +5,10 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from pathlib import Path
+
+CSS_PATH = Path(__file__).resolve().parent / "app.css"
+"""The app's style sheet, inside the package, so that an installed app has it too."""
 
 
 def create(target: str | None = None, drafter: str | None = None, space: bool | None = None,
@@ -29,8 +33,6 @@ def create(target: str | None = None, drafter: str | None = None, space: bool | 
 
 def launch(demo, host: str, port: int | None, share: bool = False, concurrency: int = 1, max_queue: int = 16,
            **kwargs):  # fmt: skip
-    from .ui import CSS_PATH
-
     demo.queue(default_concurrency_limit=concurrency, max_size=max_queue)
     return demo.launch(server_name=host, server_port=port, share=share, css_paths=[CSS_PATH], **kwargs)
 
