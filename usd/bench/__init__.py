@@ -5,5 +5,5 @@
 - plots: `usd bench --plot`'s figures (`python -m usd.bench.plots BENCH.json OUT.png` redraws a saved result)
 - projection: `usd project`, the speedup to expect on profiled hardware
 
-The modules import in one direction only: run -> plots -> report, and projection stands alone.
+Imports run one way: run uses plots and report, plots uses report, and projection stands alone.
 """
