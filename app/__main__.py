@@ -6,8 +6,12 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from pathlib import Path
 
 from usd.settings import PRECISIONS
+
+CSS_PATH = Path(__file__).resolve().parent / "app.css"
+"""The app's style sheet, inside the package, so that an installed app has it too."""
 
 API_KEY_ENV = "USD_API_KEY"
 
@@ -53,8 +57,6 @@ def create(target: str | None = None, drafter: str | None = None, space: bool | 
 def launch(demo, host: str, port: int | None, share: bool = False, concurrency: int = 1, max_queue: int = 16,
            **kwargs):  # fmt: skip
     from usd.serve.routes import create_router
-
-    from .ui import CSS_PATH
 
     demo.queue(default_concurrency_limit=concurrency, max_size=max_queue)
     service = getattr(demo, "usd_v1", None)

@@ -13,20 +13,6 @@ from usd.store import local_path
 
 from .space import space_models
 
-# Text the alpha ceiling is measured on: code and prose, what this app's users paste. TLI can only draft tokens of
-# the shared vocabulary, so where the target's own tokenization of typical text steps outside it, a draft must fail.
-CEILING_SAMPLE = '''def fibonacci(n: int) -> list[int]:
-    """Return the first n Fibonacci numbers."""
-    seq = [0, 1]
-    while len(seq) < n:
-        seq.append(seq[-1] + seq[-2])
-    return seq[:n]
-
-Speculative decoding lets a small model propose several tokens that the large model then checks in one pass.
-When the proposals are right, the answer arrives faster; when they are wrong, nothing is lost but a little time.
-{"name": "Ada", "languages": ["en", "fr"], "score": 0.97}
-'''
-
 
 class SpaceModeError(LoadError):
     """Space mode allows only the catalog models the Space serves."""
@@ -115,7 +101,7 @@ class Pairs:
             return "- **vocabulary**: identical tokenizers, so `standard` speculative decoding applies (ceiling 100%)."
         return (f"- **vocabulary**: {o['shared']:,} shared tokens ({o['shared_pct_target']:.1f}% of the target's "
                 f"{o['target_vocab']:,}, {o['shared_pct_drafter']:.1f}% of the drafter's {o['drafter_vocab']:,}). "
-                f"**Alpha ceiling for tli: {o['alpha_ceiling']:.0%}**: the share of the target's tokens, on sample "
+                f"**Alpha ceiling for tli: {o['alpha_ceiling_tli']:.0%}**: the share of the target's tokens, on sample "
                 f"code and prose, that the drafter can spell at all; `slem` drafts free text and is not bound by it.")
 
     # --- loading -----------------------------------------------------------------------------------------------
@@ -161,12 +147,9 @@ def _free_memory() -> None:
 
 
 def overlap_numbers(target_tokenizer, drafter_tokenizer) -> dict:
-    from usd.vocab import align, overlap_report, same_vocabulary
+    """`usd overlap`'s numbers, alpha ceiling included, and whether the two tokenizers are one."""
+    from usd.vocab import overlap_report, same_vocabulary
 
-    overlap = align(target_tokenizer, drafter_tokenizer)
-    report = overlap_report(target_tokenizer, drafter_tokenizer, overlap=overlap)
-    shared_targets = set(overlap.drafter_to_target.values())
-    ids = target_tokenizer.encode(CEILING_SAMPLE, add_special_tokens=False)
-    report["alpha_ceiling"] = sum(i in shared_targets for i in ids) / len(ids)
+    report = overlap_report(target_tokenizer, drafter_tokenizer)
     report["same_tokenizer"] = same_vocabulary(target_tokenizer, drafter_tokenizer)
     return report

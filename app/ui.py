@@ -12,7 +12,6 @@ import queue
 import random
 import threading
 from collections.abc import Iterator
-from pathlib import Path
 from types import SimpleNamespace
 
 import gradio as gr
@@ -31,7 +30,6 @@ from .space import gpu
 DRAFT_CHOICES = ["auto"] + [str(k) for k in range(1, DRAFT_TOKENS_MAX + 1)]
 DEFAULT = GenerationSettings()
 """The settings' defaults, for the widgets and the API endpoints' signatures."""
-CSS_PATH = Path(__file__).resolve().parent.parent / "assets" / "app.css"
 STOPPED = " [stopped]"
 """Marks an answer cut short by Stop in the chat; taken off again before the chat goes back to the models."""
 MODELS = "models"

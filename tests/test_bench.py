@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from usd.bench import ALGORITHMS, SUMMARY_KEYS, bench
+from usd.bench.run import ALGORITHMS, SUMMARY_KEYS, bench
 from usd.cli import main
 from usd.datasets import Prompt
 from usd.pair import Pair
@@ -84,7 +84,7 @@ def test_bench_sweep_over_draft_lengths(tmp_path, prompts_file, real_paths):
     assert all(r["identical_to_none"] for r in result["summary"])
     height, width, _ = valid_png(tmp_path / "s.png")
     assert width > 2 * height, "three panels side by side"
-    from usd.plots import main as replot
+    from usd.bench.plots import main as replot
 
     assert replot([str(tmp_path / "s.json"), str(tmp_path / "again.png")]) == 0
     assert valid_png(tmp_path / "again.png") == (height, width, 4)
@@ -104,7 +104,7 @@ def test_bench_suggested_pairs_that_are_on_this_machine(tmp_path, prompts_file, 
         assert {(r["target"], r["drafter"]) for r in csv.DictReader(f)} == set(ran)
     for target, drafter in ran:
         valid_png(tmp_path / f"p-{target}+{drafter}.png")
-    from usd.plots import main as replot
+    from usd.bench.plots import main as replot
 
     assert replot([str(tmp_path / "p.json"), str(tmp_path / "again.png")]) == 0  # redrawn under the same names
     for target, drafter in ran:

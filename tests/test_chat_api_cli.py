@@ -42,17 +42,19 @@ BAD_MESSAGES = [
     pytest.param("Hello", "messages must be a non-empty list of {role, content} objects", id="not-a-list"),
     pytest.param([{"role": "bot", "content": "hi"}], "message 0 has role 'bot'; use one of system, user, assistant",
                  id="bad-role"),
-    pytest.param([{"role": "user"}], "message 0 must be an object with exactly the keys 'role' and 'content'",
-                 id="no-content"),
-    pytest.param([{"role": "user", "content": "hi", "name": "x"}], "exactly the keys 'role' and 'content'",
-                 id="extra-key"),
-    pytest.param(["hi"], "message 0 must be an object", id="not-an-object"),
+    pytest.param([{"role": "user"}], "message 0 must be an object with exactly the keys 'role' and 'content', got "
+                 "{'role': 'user'}", id="no-content"),
+    pytest.param([{"role": "user", "content": "hi", "name": "x"}], "message 0 must be an object with exactly the keys "
+                 "'role' and 'content', got {'role': 'user', 'content': 'hi', 'name': 'x'}", id="extra-key"),
+    pytest.param(["hi"], "message 0 must be an object with exactly the keys 'role' and 'content', got 'hi'",
+                 id="not-an-object"),
     pytest.param([{"role": "user", "content": 3}], "message 0 content must be text, got int", id="content-not-text"),
     pytest.param(CONVERSATION[:2], "the last message must be the user's (the model answers it), got 'assistant'",
                  id="last-assistant"),
-    pytest.param([{"role": "system", "content": "Be brief."}], "the last message must be the user's", id="only-system"),
-    pytest.param([*CONVERSATION[:2], {"role": "user", "content": "  \n"}], "the last user message is empty",
-                 id="empty-question"),
+    pytest.param([{"role": "system", "content": "Be brief."}], "the last message must be the user's (the model answers "
+                 "it), got 'system'", id="only-system"),
+    pytest.param([*CONVERSATION[:2], {"role": "user", "content": "  \n"}], "the last user message is empty; type a "
+                 "question or a prompt", id="empty-question"),
 ]  # fmt: skip
 
 
@@ -60,8 +62,7 @@ BAD_MESSAGES = [
 def test_check_messages_says_what_is_wrong(messages, message):
     with pytest.raises(chat.PromptError) as e:
         chat.check_messages(messages)
-    assert message in str(e.value)
-    assert isinstance(e.value, ValueError)
+    assert str(e.value) == message, "the whole message: what is wrong, where, and what was given"
 
 
 def test_check_messages_returns_a_clean_copy():
@@ -310,7 +311,8 @@ def test_api_input_errors(api_pair, kwargs, error, message):
     with pytest.raises(error) as e:
         usd.generate(api_pair, prompt, **kwargs)
     assert message in str(e.value)
-    assert isinstance(e.value, ValueError)
+    # the prompt is blamed only for the prompt: a bad setting is a ValueError, but not a PromptError
+    assert isinstance(e.value, chat.PromptError) == (error is chat.PromptError)
 
 
 @pytest.mark.real_models

@@ -7,7 +7,8 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from app import render
-from usd.bench import Run, summarize, table
+from usd.bench.report import table
+from usd.bench.run import Run, summarize
 from usd.events import Finished, Stats
 from usd.numerics import divergence
 from usd.pair import Pair

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from usd.bench.projection import alphas_from_bench, costs, project
 from usd.cli import main
-from usd.projection import alphas_from_bench, costs, project
 
 ROOT = Path(__file__).resolve().parent.parent
 PROFILE = {"device": "test GPU", "models": {

@@ -95,6 +95,8 @@ def cmd_overlap(args) -> int:
     print(f"shared (as raw bytes): {report['shared']:,}  = {report['shared_pct_target']:.1f}% of the target's, "
           f"{report['shared_pct_drafter']:.1f}% of the drafter's vocabulary")  # fmt: skip
     print(f"shared without byte normalisation (identical spellings): {report['shared_without_normalisation']:,}")
+    print(f"alpha ceiling for tli: {report['alpha_ceiling_tli']:.0%} (the share of the target's tokens, on sample code "
+          "and prose, that the shared vocabulary can spell; slem drafts free text and is not bound by it)")  # fmt: skip
     return 0
 
 
@@ -233,13 +235,13 @@ def cmd_generate(args) -> int:
 
 
 def cmd_bench(args) -> int:
-    from .bench import run_cli
+    from .bench.run import run_cli
 
     return run_cli(args, _catalog(args))
 
 
 def cmd_project(args) -> int:
-    from .projection import run_cli
+    from .bench.projection import run_cli
 
     return run_cli(args)
 
@@ -303,13 +305,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--precision", choices=PRECISIONS, help="override the catalog's precision for both models")
     p.set_defaults(func=cmd_generate)
 
-    from .bench import add_arguments
+    from .bench.run import add_arguments
 
     p = sub.add_parser("bench", help="all algorithms side by side on a prompt set, with speedups and identity")
     add_arguments(p)
     p.set_defaults(func=cmd_bench)
 
-    from .projection import add_arguments as project_arguments
+    from .bench.projection import add_arguments as project_arguments
 
     p = sub.add_parser("project", help="expected speedup over k on profiled hardware (theory + measured c and v)")
     project_arguments(p)

