@@ -195,12 +195,13 @@ def column(live: render.Live | None, label: str) -> tuple[str, str]:
 class Handlers:
     """What the app's events and API endpoints run, on the one loaded pair (`Pairs`) and each session's Stop."""
 
-    def __init__(self, pairs: Pairs, slots: Slots | None = None, stream=api.stream):
+    def __init__(self, pairs: Pairs, slots: Slots | None = None, stream=None):
         self.pairs = pairs
         self.cancels = Cancels()
         self.slots = slots
         """Shared with the app's /v1 routes: generations run at once across the UI and /v1, counted together."""
-        self.stream = stream
+        self.remote = stream is not None
+        self.stream = stream or api.stream
         """`usd.stream`, or the remote backend's stream of the same events (`app.remote`)."""
 
     # --- shared ----------------------------------------------------------------------------------------------------
@@ -293,7 +294,7 @@ class Handlers:
     def _divergence(self, prompt, plain, spec, greedy: bool):
         """At a greedy difference, ask the target whether its two best tokens were a near-tie there (rounding)."""
         first = render.first_difference(plain.finished.target_ids, spec.finished.target_ids)
-        if not greedy or first is None or self.stream is not api.stream:  # a remote backend sends no ids
+        if not greedy or first is None or self.remote:  # a remote backend sends no ids to ask the target about
             return None
         return api.divergence(self.pairs.current(), plain.finished.target_ids, first, prompt, chat_mode=True)
 

@@ -205,7 +205,7 @@ def test_first_two_tokens_distributed_as_plain_sampling(sampling_pairs, key, alg
     p = p_value(counts, joint)
     assert p > ALPHA, f"{algorithm} on {key}: p = {p:.1e}, observed {counts}"
     if algorithm == "auto":
-        assert {"none", "tli", "slem"} <= set(pair.memory["schedule"]["cost"])
+        assert {"none", "tli", "slem"} <= set(pair.memory["schedule"]["modes"])
 
 
 @pytest.mark.parametrize("key", ["byte-level", "sentencepiece"])
