@@ -38,6 +38,9 @@ def machine_key() -> str:
 class OneDNNLinear(torch.nn.Module):
     """A Linear layer whose weight is held in oneDNN's blocked layout and multiplied by oneDNN."""
 
+    weight: torch.Tensor  # buffers (register_buffer), declared for the type checker
+    bias: torch.Tensor | None
+
     def __init__(self, dense: torch.nn.Linear):
         super().__init__()
         self.in_features, self.out_features = dense.in_features, dense.out_features
@@ -58,7 +61,7 @@ class OneDNNLinear(torch.nn.Module):
         return dense
 
 
-def _linears(model) -> list[tuple[str, torch.nn.Module]]:
+def _linears(model) -> list[tuple[str, torch.nn.Linear]]:
     return [(name, m) for name, m in model.named_modules()
             if type(m) is torch.nn.Linear and m.weight.dtype == torch.float32]  # fmt: skip
 

@@ -14,6 +14,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from .drafters import Draft, draft_strings, draft_tokens, sync_drafter
@@ -49,7 +50,7 @@ class Randomness:
     """Where a round's random draws come from (sampling.make_generator): the drafter's samples and rejection
     sampling's uniforms from one stream, the target's own draw at each answer position from that position's."""
 
-    drafter: object
+    drafter: np.random.Generator
     base_seed: int
 
     def at_positions(self, first: int, n: int) -> list:
@@ -150,7 +151,7 @@ class Answer:
                 self.stop_reason = "max_tokens"
             if self.stop_reason:
                 break
-        self.ids.extend(p.target_id for p in pieces)
+        self.ids.extend(emitted[: len(pieces)])  # each piece is the emitted token of the same index
         self.committed += new_bytes
         kept = min(verdict.accepted, len(pieces))
         return pieces[:kept] + self._rejected(draft, verdict, round_index) + pieces[kept:]
@@ -274,6 +275,7 @@ def stream(
         expected = schedule.expected_speedup
         target_room = _room(pair.context_length, len(target.ids))  # the verify positions must fit the target too
         if mode != "none":
+            assert drafter is not None  # the schedule drafts only when the algorithm is not "none"
             k_round = min(k_round, target_room, drafter.room(answer))
             if k_round < 1:
                 mode, k_round = "none", 0

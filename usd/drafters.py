@@ -136,13 +136,15 @@ def encode_bytes(pair: Pair, data: bytes) -> list[int]:
     """The drafter's tokens for `data`, whatever bytes it holds: text through its tokenizer, each invalid byte as the
     drafter's own token for that byte, so its context spells the committed text exactly and stays in step with it.
     A valid incomplete character at the end waits for its rest."""
+    tokenizer = pair.drafter_tokenizer
+    assert tokenizer is not None  # only called to follow a drafter (sync_drafter), which comes with its tokenizer
     ids = []
     for run in split_utf8(data):
         if isinstance(run, str):
-            ids += pair.drafter_tokenizer.encode(run, add_special_tokens=False)
+            ids += tokenizer.encode(run, add_special_tokens=False)
         else:  # a drafter without a token for some byte sees U+FFFD there, and resyncs from it each round
             byte_ids = pair.drafter_byte_ids()
-            ids += [byte_ids[b] for b in run] if all(b in byte_ids for b in run) else pair.drafter_tokenizer.encode(
+            ids += [byte_ids[b] for b in run] if all(b in byte_ids for b in run) else tokenizer.encode(
                 "\ufffd", add_special_tokens=False)
     return ids
 

@@ -51,7 +51,8 @@ class Stats:
     accepted: int
     tokens: int
     wall_s: float
-    stop_reason: str
+    stop_reason: str | None
+    """eos, stop_string, max_tokens or cancelled; None in the live stats of a Round, before the answer has stopped."""
     c: float | None
     """Drafter step time / target single-token step time."""
     v: float | None

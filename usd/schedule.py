@@ -95,7 +95,8 @@ class CostModel:
 
     def V(self, n: int) -> float | None:
         """The target's forward over n positions: measured, interpolated, or extrapolated along the last slope."""
-        known = sorted((int(key), Mean.of(cell)) for key, cell in self.verify.items() if Mean.of(cell) is not None)
+        means = ((int(key), Mean.of(cell)) for key, cell in self.verify.items())
+        known = sorted((n_pos, t) for n_pos, t in means if t is not None)
         if not known:
             return None
         exact = dict(known)

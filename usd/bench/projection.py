@@ -45,8 +45,8 @@ def _find(models: dict, spec: str) -> dict | None:
 def costs(profile: dict, target: str, drafter: str) -> tuple[float, dict[int, float]]:
     """(c, {k: v(k)}) for a target and a drafter of the profile (NAME or NAME@PRECISION)."""
     t, d = _find(profile["models"], target), _find(profile["models"], drafter)
-    missing = [name for name, m in ((target, t), (drafter, d)) if m is None]
-    if missing:
+    if t is None or d is None:
+        missing = [name for name, m in ((target, t), (drafter, d)) if m is None]
         raise ValueError(f"{', '.join(missing)} not in the profile ({', '.join(profile['models'])})")
     step = t["step_s"]
     return d["step_s"] / step, {int(k): s / step for k, s in t["verify_s"].items()}

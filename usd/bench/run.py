@@ -64,11 +64,12 @@ def _ids(pair: Pair, prompt: Prompt) -> tuple[list[int], list[int] | None]:
 
 def run_ours(pair: Pair, prompt: Prompt, algorithm: str, k, params: SamplingParams, max_new_tokens: int) -> Run:
     t_ids, d_ids = _ids(pair, prompt)
-    done = None
+    done: Finished | None = None
     for event in decoder.stream(pair, t_ids, d_ids, algorithm=algorithm, k=k, params=params,
                                 max_new_tokens=max_new_tokens):  # fmt: skip
         if isinstance(event, Finished):
             done = event
+    assert done is not None  # the stream ends with its Finished
     s = done.stats
     return Run(prompt.id, algorithm, 0 if algorithm == "none" else k, list(done.target_ids), s.wall_s, s.tokens,
                s.rounds, s.drafted, s.accepted, s.mean_k, s.c, s.v, s.forward_s, s.stop_reason)  # fmt: skip
@@ -110,7 +111,7 @@ def _mean(xs):
 def variants(algorithms: list[str], k) -> list[tuple[str, int | str | None]]:
     """(algorithm, draft length) pairs to run: plain decoding once, transformers once (it picks its own length), and
     every drafting algorithm at `k`, or at each k of SWEEP_K when k is "sweep"."""
-    out = []
+    out: list[tuple[str, int | str | None]] = []
     for a in algorithms:
         if a == "none":
             out.append(("none", 0))
@@ -133,7 +134,7 @@ def summarize(runs: list[Run], plan: list[tuple], greedy: bool) -> list[dict]:
         tokens = sum(r.tokens for r in rs)
         ours = a != "hf"
         drafted = sum(r.drafted or 0 for r in rs)
-        verify_rounds = sum((r.drafted / r.mean_k) if r.mean_k else 0 for r in rs)
+        verify_rounds = sum((r.drafted / r.mean_k) if r.drafted is not None and r.mean_k else 0 for r in rs)
         forward = sum(r.forward_s or 0.0 for r in rs)
         rows.append({
             "algorithm": a,
@@ -142,8 +143,8 @@ def summarize(runs: list[Run], plan: list[tuple], greedy: bool) -> list[dict]:
             "tokens_per_s": tokens / wall if wall else 0.0,
             "speedup_vs_none": none_wall / wall if none_wall and wall else None,
             "speedup_vs_hf": hf_wall / wall if hf_wall and wall else None,
-            "acceptance_rate": sum(r.accepted for r in rs) / drafted if ours and drafted else None,
-            "tokens_per_round": tokens / sum(r.rounds for r in rs) if ours else None,
+            "acceptance_rate": sum(r.accepted or 0 for r in rs) / drafted if ours and drafted else None,
+            "tokens_per_round": tokens / sum(r.rounds or 0 for r in rs) if ours else None,
             "mean_k": drafted / verify_rounds if ours and verify_rounds else (0.0 if ours else None),
             "c": _mean(r.c for r in rs) if ours else None,
             "v": _mean(r.v for r in rs) if ours else None,
@@ -184,7 +185,7 @@ def bench(pair: Pair, prompts: list[Prompt], algorithms: list[str], k="auto", pa
         return run_ours(pair, prompt, a, kk, p, n)
 
     log(f"warm-up: every algorithm once on {prompts[0].id}, 8 tokens")
-    first = {}
+    first: dict[str, tuple[str, int | str | None]] = {}
     for a, kk in plan:
         first.setdefault(a, (a, kk))
     for variant in first.values():

@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
@@ -91,8 +91,8 @@ class CompletionRequest(_Request):
 _TOOLS = "tool and function calling are not supported: the answer is the target's plain text"
 _LOGPROBS = "log probabilities are not reported by this server"
 _PENALTY = "penalties would change the target's distribution, which speculative decoding reproduces exactly"
-UNSUPPORTED: dict[str, tuple[tuple, str]] = {
-    # field: (values that ask for nothing beyond what the server does, why anything else is refused)
+UNSUPPORTED: dict[str, tuple[tuple, str | None]] = {
+    # field: (values that ask for nothing beyond what the server does, why anything else is refused; None: accepted)
     "n": ((1,), "this server generates one choice per request; send n=1 or leave it out"),
     "best_of": ((1,), "this server generates one choice per request; send best_of=1 or leave it out"),
     "logprobs": ((False, 0), _LOGPROBS),
@@ -144,7 +144,10 @@ def _same(value, allowed) -> bool:
     return value == allowed
 
 
-def parse(kind: type[_Request], body) -> _Request:
+R = TypeVar("R", bound=_Request)
+
+
+def parse(kind: type[R], body) -> R:
     """The request body as `kind`; a malformed one is a 400 naming the field."""
     if not isinstance(body, dict):
         raise bad_request("the request body must be a JSON object")
@@ -183,7 +186,8 @@ def settings_of(request: _Request) -> GenerationSettings:
         return GenerationSettings(**values)
     except ValueError as e:
         param = next((n for n, v in values.items() if _fails(n, v)), None)
-        raise bad_request(str(e), param=max_param if param == "max_new_tokens" else _PARAMS.get(param, param)) from None
+        where = max_param if param == "max_new_tokens" else _PARAMS.get(param, param) if param is not None else None
+        raise bad_request(str(e), param=where) from None
 
 
 def _fails(name: str, value) -> bool:

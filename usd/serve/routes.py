@@ -9,7 +9,7 @@ import logging
 import secrets
 import time
 from collections.abc import AsyncIterator, Callable
-from typing import Annotated
+from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse
@@ -159,11 +159,13 @@ async def complete(service: Service, request: Request, chat_api: bool):
         body = await request.json()
     except (ValueError, UnicodeDecodeError):
         raise p.bad_request("the request body is not valid JSON") from None
-    req = p.parse(p.ChatRequest if chat_api else p.CompletionRequest, body)
+    req = p.parse(p.ChatRequest, body) if chat_api else p.parse(p.CompletionRequest, body)
     settings = p.settings_of(req)
-    inputs = {"messages": p.chat_messages(req)} if chat_api else {"prompt": p.completion_prompt(req)}
+    # api.stream's keyword arguments: the chat's messages or the completion's prompt
+    inputs: dict[str, Any] = ({"messages": p.chat_messages(req)} if isinstance(req, p.ChatRequest)
+                              else {"prompt": p.completion_prompt(req)})  # fmt: skip
     name = service.resolve(req.model)
-    prompt_tokens = None
+    prompt_tokens: int | None = None
     pair = service.loaded(name)
     if pair is not None:  # the prompt against the context now, before the request waits in line for nothing
         try:
@@ -204,6 +206,7 @@ async def complete(service: Service, request: Request, chat_api: bool):
     finally:
         job.stop()
     text = p.trimmed(event.text, settings.stop_strings)
+    assert job.prompt_tokens is not None  # the job counts the prompt before it generates anything
     return JSONResponse(shape.response(text, event, job.prompt_tokens, p.speculative_stats(event.stats, counts)))
 
 
