@@ -14,9 +14,10 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterator
+from typing import Literal
 
 from . import chat, decoder, numerics
-from .catalog import Catalog, load_catalog
+from .catalog import Catalog, Precision, load_catalog
 from .events import Finished, Round
 from .loading import entry_for, load_model
 from .pair import Pair
@@ -25,12 +26,12 @@ from .settings import GenerationSettings
 
 def load_pair(
     target: str | None = None,
-    drafter: str | bool | None = None,
+    drafter: str | Literal[False] | None = None,
     *,
     catalog: Catalog | None = None,
     device: str | None = None,
-    precision: str | None = None,
-    drafter_precision: str | None = None,
+    precision: Precision | None = None,
+    drafter_precision: Precision | None = None,
     log=print,
 ) -> Pair:
     """Load a target and a drafter (catalog names, local directories or hub ids; None = the catalog's default pair,
@@ -45,8 +46,7 @@ def load_pair(
     if drafter:
         d = load_model(entry_for(drafter, catalog), device=device, precision=drafter_precision or precision,
                        catalog=catalog, log=log)  # fmt: skip
-    limits = [getattr(t.model.config, "max_position_embeddings", None), t_entry.context_length]
-    limits = [n for n in limits if n]
+    limits = [n for n in (getattr(t.model.config, "max_position_embeddings", None), t_entry.context_length) if n]
     return Pair(t.model, t.tokenizer, d.model if d else None, d.tokenizer if d else None,
                 target_name=t.name, drafter_name=d.name if d else None,
                 context_length=min(limits) if limits else None)  # fmt: skip
@@ -107,6 +107,7 @@ def generate(pair: Pair, prompt: str | None = None, **kwargs) -> Finished:
     done = None
     for event in stream(pair, prompt, **kwargs):
         done = event
+    assert isinstance(done, Finished)  # stream ends with its Finished
     return done
 
 

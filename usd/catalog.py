@@ -13,6 +13,7 @@ from typing import Annotated, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic_core import ErrorDetails
 
 Precision = Literal["nf4", "int8", "bf16", "fp16", "fp32"]
 Role = Literal["target", "drafter"]
@@ -247,7 +248,7 @@ def _entry_lines(text: str) -> list[int]:
     return []
 
 
-def _describe(data: dict, err: dict) -> str:
+def _describe(data: dict, err: ErrorDetails) -> str:
     """Turn one pydantic error into 'entry NAME, field a.b: message'."""
     loc = list(err["loc"])
     where = ""

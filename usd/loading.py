@@ -168,8 +168,8 @@ def count_params(config) -> tuple[int, int]:
 def _kv_bytes(config, tokens: int, bytes_per: int) -> int:
     text = config.get_text_config()
     layers = getattr(text, "num_hidden_layers", 0)
-    heads = getattr(text, "num_key_value_heads", None) or getattr(text, "num_attention_heads", 0)
-    head_dim = getattr(text, "head_dim", None) or (text.hidden_size // max(1, text.num_attention_heads))
+    heads = getattr(text, "num_key_value_heads", 0) or getattr(text, "num_attention_heads", 0)
+    head_dim = getattr(text, "head_dim", 0) or (text.hidden_size // max(1, text.num_attention_heads))
     return 2 * layers * heads * head_dim * tokens * bytes_per
 
 
@@ -177,6 +177,8 @@ def estimate_bytes(entry: ModelEntry, precision: Precision, device: str, config=
     """Weights at `precision` plus a 4k-token KV cache plus runtime overhead. From the config when we have it,
     else from the catalog's params_b (assuming 90% of the weights sit in quantizable Linear layers)."""
     compute = 4 if precision == "fp32" else 2
+    linear: float
+    other: float
     if config is not None:
         linear, other = count_params(config)
         kv = _kv_bytes(config, min(_KV_TOKENS, entry.context_length), compute)
@@ -366,7 +368,7 @@ def load_model(
 
 
 def _check_memory(entry: ModelEntry, plan: LoadPlan) -> None:
-    if plan.fits:
+    if plan.fits or plan.available_bytes is None:  # (unknown free memory: it fits)
         return
     quantizable = plan.device == "cuda" and plan.precision != "nf4"
     advice = "Try nf4, or a smaller model." if quantizable else "Pick a smaller model."

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -98,10 +99,10 @@ class Pair:
     of each algorithm, which drafter prompt rendering was accepted more).
     """
 
-    target: object
-    target_tokenizer: object
-    drafter: object | None = None
-    drafter_tokenizer: object | None = None
+    target: Any
+    target_tokenizer: Any
+    drafter: Any | None = None
+    drafter_tokenizer: Any | None = None
     target_name: str = "target"
     drafter_name: str | None = None
     context_length: int | None = None

