@@ -38,6 +38,7 @@ case "$task" in
                 || echo "note: could not install chromium; the browser test will be skipped" >&2
         fi
         .venv/bin/ruff check .
+        .venv/bin/ruff format --check .
         .venv/bin/mypy usd
         exec .venv/bin/python -m pytest "$@"
         ;;

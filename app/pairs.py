@@ -25,8 +25,9 @@ class Choice:
 
 
 class Pairs:
-    def __init__(self, catalog: Catalog, space_mode: bool = False, device: str | None = None,
-                 precision: str | None = None):  # fmt: skip
+    def __init__(
+        self, catalog: Catalog, space_mode: bool = False, device: str | None = None, precision: str | None = None
+    ):
         self.catalog = catalog
         self.space_mode = space_mode
         self.allowed = space_models(catalog) if space_mode else catalog.names()
@@ -52,8 +53,9 @@ class Pairs:
             entry = entry_for(spec, self.catalog, allow_unlisted=not self.space_mode)
         except LoadError as e:
             if self.space_mode:
-                raise SpaceModeError(f"unknown {role} {spec!r}: this Space serves only its catalog models "
-                                     f"({served})") from None  # fmt: skip
+                raise SpaceModeError(
+                    f"unknown {role} {spec!r}: this Space serves only its catalog models ({served})"
+                ) from None
             raise LoadError(f"unknown {role}: {e}") from None
         if self.space_mode and entry.name not in self.allowed:  # refused before anything is fetched
             raise SpaceModeError(f"{role} {spec!r} is not served by this Space; it serves only {served}")
@@ -71,8 +73,10 @@ class Pairs:
             plan = plan_load(e, self.device, self.precision)
             total += plan.estimate_bytes
             ready = "ready" if local_path(e) is not None else "will be fetched on load"
-            lines.append(f"- **{role}** `{e.name}`: {plan.precision} on {plan.device}, about "
-                         f"{plan.estimate_bytes / GiB:.2f} GiB ({ready}). {plan.note}")  # fmt: skip
+            lines.append(
+                f"- **{role}** `{e.name}`: {plan.precision} on {plan.device}, about "
+                f"{plan.estimate_bytes / GiB:.2f} GiB ({ready}). {plan.note}"
+            )
         avail = plan.available_bytes
         room = f" of {avail / GiB:.1f} GiB free" if avail is not None else ""
         lines.append(f"- **memory**: about {total / GiB:.2f} GiB for both{room}.")
@@ -99,10 +103,12 @@ class Pairs:
         o = self._overlaps[(t.name, d.name)]
         if o["same_tokenizer"]:
             return "- **vocabulary**: identical tokenizers, so `standard` speculative decoding applies (ceiling 100%)."
-        return (f"- **vocabulary**: {o['shared']:,} shared tokens ({o['shared_pct_target']:.1f}% of the target's "
-                f"{o['target_vocab']:,}, {o['shared_pct_drafter']:.1f}% of the drafter's {o['drafter_vocab']:,}). "
-                f"**Alpha ceiling for tli: {o['alpha_ceiling_tli']:.0%}**: the share of the target's tokens, on sample "
-                f"code and prose, that the drafter can spell at all; `slem` drafts free text and is not bound by it.")
+        return (
+            f"- **vocabulary**: {o['shared']:,} shared tokens ({o['shared_pct_target']:.1f}% of the target's "
+            f"{o['target_vocab']:,}, {o['shared_pct_drafter']:.1f}% of the drafter's {o['drafter_vocab']:,}). "
+            f"**Alpha ceiling for tli: {o['alpha_ceiling_tli']:.0%}**: the share of the target's tokens, on sample "
+            f"code and prose, that the drafter can spell at all; `slem` drafts free text and is not bound by it."
+        )
 
     # --- loading -----------------------------------------------------------------------------------------------
 
@@ -115,8 +121,14 @@ class Pairs:
             choice = Choice(t.name, d.name)
             if self.pair is not None and self.loaded == choice:
                 return self.pair
-            new = api.load_pair(target.strip(), drafter.strip(), catalog=self.catalog, device=self.device,
-                                precision=self.precision, log=log)  # fmt: skip
+            new = api.load_pair(
+                target.strip(),
+                drafter.strip(),
+                catalog=self.catalog,
+                device=self.device,
+                precision=self.precision,
+                log=log,
+            )
             # Dropping the last reference frees the old models; a generation still running on them keeps its own
             # reference, finishes, and then lets go.
             self.pair, self.loaded = new, choice

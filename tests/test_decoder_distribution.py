@@ -86,10 +86,17 @@ def pairs(real_tokenizers):
     return out
 
 
-@pytest.mark.parametrize(("key", "algorithm", "k"), [
-    ("qwen+smol", "tli", 3), ("qwen+smol", "slem", 3), ("qwen+smol", "auto", 3), ("qwen+qwen", "standard", 3),
-    ("smol+gemma", "tli", 3), ("smol+gemma", "slem", 3),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("key", "algorithm", "k"),
+    [
+        ("qwen+smol", "tli", 3),
+        ("qwen+smol", "slem", 3),
+        ("qwen+smol", "auto", 3),
+        ("qwen+qwen", "standard", 3),
+        ("smol+gemma", "tli", 3),
+        ("smol+gemma", "slem", 3),
+    ],
+)
 def test_first_two_tokens_distributed_as_plain_sampling(pairs, key, algorithm, k, monkeypatch):
     pair, ids, dids = pairs[key]
     if algorithm == "auto":

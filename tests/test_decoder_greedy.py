@@ -62,8 +62,9 @@ def gemma_pair(catalog, real_paths, pair):
 
 @torch.no_grad()
 def plain_greedy(model, ids: list[int], n: int = MAX_NEW) -> list[int]:
-    return model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                          max_new_tokens=n, do_sample=False)[0, len(ids) :].tolist()  # fmt: skip
+    return model.generate(
+        torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long), max_new_tokens=n, do_sample=False
+    )[0, len(ids) :].tolist()
 
 
 def check_same(done: Finished, ref: list[int], eos: set[int], what: str) -> None:
@@ -114,8 +115,10 @@ def test_long_prompt_is_fast_to_speculate_on(pair):
 
 @pytest.mark.parametrize("rendering", ["own", "stripped"])
 def test_chat_answers_equal_plain_greedy_with_either_drafter_rendering(pair, rendering):
-    messages = [{"role": "system", "content": "Answer briefly."},
-                {"role": "user", "content": "Write a Python function that reverses a string."}]  # fmt: skip
+    messages = [
+        {"role": "system", "content": "Answer briefly."},
+        {"role": "user", "content": "Write a Python function that reverses a string."},
+    ]
     ref = api.generate(pair, messages=messages, algorithm="none", max_new_tokens=MAX_NEW)
     done = api.generate(pair, messages=messages, algorithm="tli", max_new_tokens=MAX_NEW, drafter_rendering=rendering)
     assert done.target_ids == ref.target_ids and done.stats.drafted > 0
@@ -143,13 +146,18 @@ def test_equals_transformers_cross_tokenizer_generate(pair, prompt):
     # transformers may rewire the drafter it is given, so it gets its own copy; ours must stay untouched
     with torch.no_grad():
         theirs = pair.target.generate(
-            torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long), do_sample=False,
-            max_new_tokens=MAX_NEW, assistant_model=copy.deepcopy(pair.drafter), tokenizer=pair.target_tokenizer,
+            torch.tensor([ids]),
+            attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+            do_sample=False,
+            max_new_tokens=MAX_NEW,
+            assistant_model=copy.deepcopy(pair.drafter),
+            tokenizer=pair.target_tokenizer,
             assistant_tokenizer=pair.drafter_tokenizer,
-        )[0, len(ids) :].tolist()  # fmt: skip
+        )[0, len(ids) :].tolist()
     for algorithm in ("tli", "slem"):
-        *_, done = stream(pair, ids, pair.drafter_tokenizer.encode(prompt), algorithm=algorithm, k=4,
-                          max_new_tokens=MAX_NEW)  # fmt: skip
+        *_, done = stream(
+            pair, ids, pair.drafter_tokenizer.encode(prompt), algorithm=algorithm, k=4, max_new_tokens=MAX_NEW
+        )
         check_same(done, theirs, pair.eos_ids(), f"{algorithm} vs transformers")
 
 

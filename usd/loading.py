@@ -102,9 +102,13 @@ def available_bytes(device: str) -> int | None:
 def choose_precision(entry: ModelEntry, device: str, precision: Precision | None = None) -> tuple[Precision, str]:
     if device == "cuda":
         chosen = precision or entry.precision.cuda
-        return chosen, {"nf4": "4-bit NF4 (bitsandbytes, bf16 compute, double quantization).",
-                        "int8": "8-bit (bitsandbytes LLM.int8).", "bf16": "bf16, not quantized.",
-                        "fp16": "fp16, not quantized.", "fp32": "float32, not quantized."}[chosen]  # fmt: skip
+        return chosen, {
+            "nf4": "4-bit NF4 (bitsandbytes, bf16 compute, double quantization).",
+            "int8": "8-bit (bitsandbytes LLM.int8).",
+            "bf16": "bf16, not quantized.",
+            "fp16": "fp16, not quantized.",
+            "fp32": "float32, not quantized.",
+        }[chosen]
     if precision in ("nf4", "int8"):
         raise LoadError(
             f"{precision} needs a CUDA GPU (bitsandbytes quantized kernels); this machine has none. "
@@ -236,14 +240,26 @@ def entry_for(spec: str, catalog: Catalog | None = None, allow_unlisted: bool = 
             )
         name = re.sub(r"[^a-z0-9._-]+", "-", p.stem.lower()).strip("-") or "local"
         has_template = p.is_dir() and ((p / "chat_template.jinja").is_file() or "chat_template" in _tok_config(p))
-        return ModelEntry(name=f"local-{name}", family="local", roles=["target", "drafter"],
-                          source=PathSource(kind="path", path=str(p.resolve())), context_length=ctx,
-                          license="unknown", chat_template=has_template)  # fmt: skip
+        return ModelEntry(
+            name=f"local-{name}",
+            family="local",
+            roles=["target", "drafter"],
+            source=PathSource(kind="path", path=str(p.resolve())),
+            context_length=ctx,
+            license="unknown",
+            chat_template=has_template,
+        )
     if _HUB_ID.match(spec):
         name = re.sub(r"[^a-z0-9._-]+", "-", spec.lower().replace("/", "--"))
-        return ModelEntry(name=f"hub-{name}", family="hub", roles=["target", "drafter"],
-                          source=HubSource(kind="hub", repo=spec), context_length=2048, license="unknown",
-                          chat_template=False)  # fmt: skip
+        return ModelEntry(
+            name=f"hub-{name}",
+            family="hub",
+            roles=["target", "drafter"],
+            source=HubSource(kind="hub", repo=spec),
+            context_length=2048,
+            license="unknown",
+            chat_template=False,
+        )
     raise LoadError(
         f"{spec!r} is not a catalog model, an existing path, or a hub repo id (owner/name). "
         "`usd models` lists the catalog."
@@ -265,8 +281,9 @@ def _dir_config(p: Path) -> dict:
     except UnicodeDecodeError as e:
         raise LoadError(f"{f} is not UTF-8 text (byte {e.start}); fix the file or copy the model again") from None
     except json.JSONDecodeError as e:
-        raise LoadError(f"{f} is not valid JSON: line {e.lineno} column {e.colno}: {e.msg}; "
-                        "fix the file or copy the model again") from None  # fmt: skip
+        raise LoadError(
+            f"{f} is not valid JSON: line {e.lineno} column {e.colno}: {e.msg}; fix the file or copy the model again"
+        ) from None
     except OSError as e:
         raise LoadError(f"cannot read {f}: {e.strerror}") from None
     if not isinstance(cfg, dict):
@@ -283,12 +300,16 @@ def check_local_dir(entry: ModelEntry) -> None:
     if not p.is_dir():
         return  # a .gguf file: the store converts it and says what went wrong
     if not (p / "config.json").is_file():
-        raise LoadError(f"{p} has no config.json, so it is not a model directory in hub layout; "
-                        f"give a directory with {_NEEDS}, or a .gguf file")  # fmt: skip
+        raise LoadError(
+            f"{p} has no config.json, so it is not a model directory in hub layout; "
+            f"give a directory with {_NEEDS}, or a .gguf file"
+        )
     _dir_config(p)
     if not any(next(p.glob(pattern), None) for pattern in _WEIGHTS):
-        raise LoadError(f"{p} has config.json but no weights (*.safetensors / pytorch_model*.bin); copy the weight "
-                        "files in, or give a complete model directory")  # fmt: skip
+        raise LoadError(
+            f"{p} has config.json but no weights (*.safetensors / pytorch_model*.bin); copy the weight "
+            "files in, or give a complete model directory"
+        )
 
 
 def _tok_config(p: Path) -> dict:

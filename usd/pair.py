@@ -145,8 +145,7 @@ class Pair:
                 d2t = align(self.target_tokenizer, self.drafter_tokenizer).drafter_to_target
                 pairs = [(d, t) for d, t in d2t.items() if d < vocab_d and t < vocab_t]  # in id order: align's
                 d_ids, t_ids = [d for d, _ in pairs], [t for _, t in pairs]
-            self._cache["map"] = (torch.tensor(d_ids, dtype=torch.long), torch.tensor(t_ids, dtype=torch.long),
-                                  vocab_t)  # fmt: skip
+            self._cache["map"] = (torch.tensor(d_ids, dtype=torch.long), torch.tensor(t_ids, dtype=torch.long), vocab_t)
         return self._cache["map"]
 
     def drafter_byte_ids(self) -> dict[int, int]:

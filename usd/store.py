@@ -275,8 +275,10 @@ def _check_spec(spec: str) -> None:
         check_package_name(name)
         check_package_version(version)
     except ValueError as e:
-        raise StoreError(f"refusing to pass {spec!r} to pip: not a package name and version (NAME==VERSION): {e}. "
-                         "Fix the catalog entry.") from None  # fmt: skip
+        raise StoreError(
+            f"refusing to pass {spec!r} to pip: not a package name and version (NAME==VERSION): {e}. "
+            "Fix the catalog entry."
+        ) from None
 
 
 def _pip_download(packages: list[str], dest: Path) -> None:
@@ -284,8 +286,20 @@ def _pip_download(packages: list[str], dest: Path) -> None:
         _check_spec(spec)
     for spec in tqdm(packages, desc="downloading wheels", unit="pkg", disable=len(packages) < 2):
         # `--` ends pip's options: whatever the spec is, pip reads it as a requirement
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--quiet",
-               "--disable-pip-version-check", "-d", str(dest), "--", spec]  # fmt: skip
+        cmd = [
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            "--no-deps",
+            "--only-binary=:all:",
+            "--quiet",
+            "--disable-pip-version-check",
+            "-d",
+            str(dest),
+            "--",
+            spec,
+        ]
         # run() kills pip if anything interrupts the wait (Ctrl-C, or SIGTERM through _sigterm_raises): an orphaned
         # pip would keep writing into a directory that is being deleted
         proc = subprocess.run(cmd, capture_output=True, text=True)
@@ -370,8 +384,10 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
         missing, unexpected = plain.load_state_dict(loaded.state_dict(), strict=False, assign=True)
         missing = [k for k in missing if not (k == "lm_head.weight" and config.get_text_config().tie_word_embeddings)]
         if missing or unexpected:
-            raise StoreError(f"converting {gguf_path.name}: weights do not fit the config (missing {missing[:3]}, "
-                             f"unexpected {unexpected[:3]})")  # fmt: skip
+            raise StoreError(
+                f"converting {gguf_path.name}: weights do not fit the config (missing {missing[:3]}, "
+                f"unexpected {unexpected[:3]})"
+            )
         plain.tie_weights()
         plain.generation_config = loaded.generation_config
         del loaded
@@ -413,8 +429,9 @@ def hub_snapshot(src: HubSource, local_only: bool = False) -> Path:
 
     patterns = [src.gguf_file, "*.json"] if src.gguf_file else _HUB_PATTERNS
     try:
-        path = Path(snapshot_download(src.repo, revision=src.revision, allow_patterns=patterns,
-                                      local_files_only=local_only))
+        path = Path(
+            snapshot_download(src.repo, revision=src.revision, allow_patterns=patterns, local_files_only=local_only)
+        )
     except GatedRepoError:
         raise StoreError(
             f"{src.repo} is gated: accept its license on its hub page (https://huggingface.co/{src.repo}), then log in "

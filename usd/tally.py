@@ -36,8 +36,19 @@ class Tally:
         step, draft_step, verify = _mean(self.step_s), _mean(self.draft_step_s), _mean(self.verify_s)
         c = draft_step / step if step and draft_step is not None else None
         v = verify / step if step and verify is not None else None
-        return Stats(algorithm=self.algorithm, rounds=self.rounds, drafted=self.drafted, accepted=self.accepted,
-                     tokens=tokens, wall_s=time.perf_counter() - self.started, stop_reason=stop_reason, c=c, v=v,
-                     mean_k=self.drafted / len(self.verify_s) if self.verify_s else 0.0,
-                     rounds_by_algorithm=dict(self.by_algorithm), forward_s=forward_s,
-                     drafting_stopped=drafting_stopped, step_s=step)  # fmt: skip
+        return Stats(
+            algorithm=self.algorithm,
+            rounds=self.rounds,
+            drafted=self.drafted,
+            accepted=self.accepted,
+            tokens=tokens,
+            wall_s=time.perf_counter() - self.started,
+            stop_reason=stop_reason,
+            c=c,
+            v=v,
+            mean_k=self.drafted / len(self.verify_s) if self.verify_s else 0.0,
+            rounds_by_algorithm=dict(self.by_algorithm),
+            forward_s=forward_s,
+            drafting_stopped=drafting_stopped,
+            step_s=step,
+        )

@@ -179,7 +179,10 @@ def same_vocabulary(a, b) -> bool:
 
 
 def overlap_report(
-    target_tokenizer, drafter_tokenizer, target_vocab: int | None = None, drafter_vocab: int | None = None,
+    target_tokenizer,
+    drafter_tokenizer,
+    target_vocab: int | None = None,
+    drafter_vocab: int | None = None,
     overlap: Overlap | None = None,
 ) -> dict:
     """The numbers `usd overlap` prints, tli's alpha ceiling on CEILING_SAMPLE among them. Vocabulary sizes default to

@@ -48,8 +48,11 @@ def plot(result: dict, path: str, title: str = "") -> None:
 
     ax = axes[0]
     rows = [r for r in summary if r["speedup_vs_none"] is not None]
-    ax.bar([label(r["algorithm"], r["k"]) for r in rows], [r["speedup_vs_none"] for r in rows],
-           color=["#94a3b8" if r["algorithm"] in ("none", "hf") else "#16a34a" for r in rows])  # fmt: skip
+    ax.bar(
+        [label(r["algorithm"], r["k"]) for r in rows],
+        [r["speedup_vs_none"] for r in rows],
+        color=["#94a3b8" if r["algorithm"] in ("none", "hf") else "#16a34a" for r in rows],
+    )
     ax.axhline(1.0, color="black", lw=0.8, ls="--")
     ax.set_ylabel("speedup over plain decoding (wall time)")
     ax.set_title("speedup per algorithm")
@@ -89,8 +92,12 @@ def plot(result: dict, path: str, title: str = "") -> None:
         ax.legend(fontsize=8)
 
     m = result.get("machine", {})
-    fig.suptitle(title or f"{m.get('target', '?')} + {m.get('drafter', '?')} on {m.get('cuda') or m.get('processor')}"
-                 f" ({result.get('settings', {}).get('dataset', '')})", fontsize=10)  # fmt: skip
+    fig.suptitle(
+        title
+        or f"{m.get('target', '?')} + {m.get('drafter', '?')} on {m.get('cuda') or m.get('processor')}"
+        f" ({result.get('settings', {}).get('dataset', '')})",
+        fontsize=10,
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -61,8 +61,15 @@ def project(alpha: float, c: float, v: dict[int, float] | float, k_max: int = 8)
         vk = v if isinstance(v, (int, float)) else v.get(k)
         if vk is None:
             break
-        rows.append({"k": k, "tau": expected_tokens_per_round(alpha, k), "c": c, "v": vk,
-                     "speedup": expected_speedup(alpha, k, c, vk)})  # fmt: skip
+        rows.append(
+            {
+                "k": k,
+                "tau": expected_tokens_per_round(alpha, k),
+                "c": c,
+                "v": vk,
+                "speedup": expected_speedup(alpha, k, c, vk),
+            }
+        )
     return rows
 
 
@@ -122,14 +129,22 @@ def run_cli(args) -> int:
         if not (args.target_config and args.drafter_config):
             raise ValueError("name the models with --target-config and --drafter-config (or give --c and --v)")
         name, profile, c, v = _from_profiles(args)
-    out = {"profile": name, "device": profile.get("device"), "target": args.target_config,
-           "drafter": args.drafter_config, "c": c,
-           "projections": {a: project(alpha, c, v, args.k_max) for a, alpha in alphas.items()}, "alpha": alphas}
+    out = {
+        "profile": name,
+        "device": profile.get("device"),
+        "target": args.target_config,
+        "drafter": args.drafter_config,
+        "c": c,
+        "projections": {a: project(alpha, c, v, args.k_max) for a, alpha in alphas.items()},
+        "alpha": alphas,
+    }
     if args.json:
         print(json.dumps(out, indent=1))
         return 0
-    print(f"{args.target_config or 'target'} + {args.drafter_config or 'drafter'} on {out['device']} ({name}): "
-          f"c = {c:.3f}")
+    print(
+        f"{args.target_config or 'target'} + {args.drafter_config or 'drafter'} on {out['device']} ({name}): "
+        f"c = {c:.3f}"
+    )
     for a, rows in out["projections"].items():
         best = max(rows, key=lambda r: r["speedup"])
         print(f"\n{a}: alpha = {alphas[a]:.2f}; best k = {best['k']}, expected speedup {best['speedup']:.2f}x")

@@ -24,16 +24,37 @@ def _identity(row: dict) -> str:
 
 def table(summary: list[dict], dtype: str | None = None) -> str:
     """The summary as a Markdown table; `dtype`, the precision the target ran in, heads the identity column."""
-    head = ["algorithm", "wall s", "tok/s", "vs none", "vs hf", "alpha", "tau", "mean k", "c", "v", "overhead",
-            f"identical ({dtype})" if dtype else "identical"]  # fmt: skip
+    head = [
+        "algorithm",
+        "wall s",
+        "tok/s",
+        "vs none",
+        "vs hf",
+        "alpha",
+        "tau",
+        "mean k",
+        "c",
+        "v",
+        "overhead",
+        f"identical ({dtype})" if dtype else "identical",
+    ]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in summary:
-        cells = [label(r["algorithm"], r["k"]), _fmt(r["wall_s"], ".1f"), _fmt(r["tokens_per_s"], ".1f"),
-                 _fmt(r["speedup_vs_none"]) + ("x" if r["speedup_vs_none"] else ""),
-                 _fmt(r["speedup_vs_hf"]) + ("x" if r["speedup_vs_hf"] else ""), _fmt(r["acceptance_rate"]),
-                 _fmt(r["tokens_per_round"]), _fmt(r["mean_k"], ".1f"), _fmt(r["c"]), _fmt(r["v"]),
-                 _fmt(r["overhead_share"] * 100 if r["overhead_share"] is not None else None, ".1f")
-                 + ("%" if r["overhead_share"] is not None else ""), _identity(r)]  # fmt: skip
+        cells = [
+            label(r["algorithm"], r["k"]),
+            _fmt(r["wall_s"], ".1f"),
+            _fmt(r["tokens_per_s"], ".1f"),
+            _fmt(r["speedup_vs_none"]) + ("x" if r["speedup_vs_none"] else ""),
+            _fmt(r["speedup_vs_hf"]) + ("x" if r["speedup_vs_hf"] else ""),
+            _fmt(r["acceptance_rate"]),
+            _fmt(r["tokens_per_round"]),
+            _fmt(r["mean_k"], ".1f"),
+            _fmt(r["c"]),
+            _fmt(r["v"]),
+            _fmt(r["overhead_share"] * 100 if r["overhead_share"] is not None else None, ".1f")
+            + ("%" if r["overhead_share"] is not None else ""),
+            _identity(r),
+        ]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 

@@ -34,8 +34,21 @@ ALGORITHMS = (*settings.ALGORITHMS, "hf")
 """The generation algorithms, and `hf`: transformers' own assisted generation, which only the benchmark runs."""
 SWEEP_K = tuple(range(1, 9))
 """`--draft-tokens sweep`: every drafting algorithm at each of these draft lengths."""
-SUMMARY_KEYS = ("algorithm", "k", "wall_s", "tokens_per_s", "speedup_vs_none", "speedup_vs_hf", "acceptance_rate",
-                "tokens_per_round", "mean_k", "c", "v", "overhead_share", "identical_to_none")  # fmt: skip
+SUMMARY_KEYS = (
+    "algorithm",
+    "k",
+    "wall_s",
+    "tokens_per_s",
+    "speedup_vs_none",
+    "speedup_vs_hf",
+    "acceptance_rate",
+    "tokens_per_round",
+    "mean_k",
+    "c",
+    "v",
+    "overhead_share",
+    "identical_to_none",
+)
 
 
 @dataclass
@@ -65,14 +78,29 @@ def _ids(pair: Pair, prompt: Prompt) -> tuple[list[int], list[int] | None]:
 def run_ours(pair: Pair, prompt: Prompt, algorithm: str, k, params: SamplingParams, max_new_tokens: int) -> Run:
     t_ids, d_ids = _ids(pair, prompt)
     done: Finished | None = None
-    for event in decoder.stream(pair, t_ids, d_ids, algorithm=algorithm, k=k, params=params,
-                                max_new_tokens=max_new_tokens):  # fmt: skip
+    for event in decoder.stream(
+        pair, t_ids, d_ids, algorithm=algorithm, k=k, params=params, max_new_tokens=max_new_tokens
+    ):
         if isinstance(event, Finished):
             done = event
     assert done is not None  # the stream ends with its Finished
     s = done.stats
-    return Run(prompt.id, algorithm, 0 if algorithm == "none" else k, list(done.target_ids), s.wall_s, s.tokens,
-               s.rounds, s.drafted, s.accepted, s.mean_k, s.c, s.v, s.forward_s, s.stop_reason)  # fmt: skip
+    return Run(
+        prompt.id,
+        algorithm,
+        0 if algorithm == "none" else k,
+        list(done.target_ids),
+        s.wall_s,
+        s.tokens,
+        s.rounds,
+        s.drafted,
+        s.accepted,
+        s.mean_k,
+        s.c,
+        s.v,
+        s.forward_s,
+        s.stop_reason,
+    )
 
 
 @torch.inference_mode()
@@ -80,20 +108,35 @@ def run_hf(pair: Pair, hf_drafter, prompt: Prompt, params: SamplingParams, max_n
     t_ids, _ = _ids(pair, prompt)
     eos = sorted(pair.eos_ids())
     device = pair.target.device
-    kwargs = {"do_sample": False} if params.greedy else {
-        "do_sample": True, "temperature": params.temperature, "top_k": params.top_k or None,
-        "top_p": params.top_p}  # fmt: skip
+    kwargs = (
+        {"do_sample": False}
+        if params.greedy
+        else {
+            "do_sample": True,
+            "temperature": params.temperature,
+            "top_k": params.top_k or None,
+            "top_p": params.top_p,
+        }
+    )
     if params.seed is not None:
         torch.manual_seed(params.seed)
     # transformers refuses the tokenizers when both models share one (it then runs its same-vocabulary assisted path)
-    tokenizers = {} if pair.same_tokenizer else {"tokenizer": pair.target_tokenizer,
-                                                 "assistant_tokenizer": pair.drafter_tokenizer}  # fmt: skip
+    tokenizers = (
+        {}
+        if pair.same_tokenizer
+        else {"tokenizer": pair.target_tokenizer, "assistant_tokenizer": pair.drafter_tokenizer}
+    )
     t0 = time.perf_counter()
     out = pair.target.generate(
-        torch.tensor([t_ids], device=device), attention_mask=torch.ones(1, len(t_ids), device=device),
-        assistant_model=hf_drafter, max_new_tokens=max_new_tokens, eos_token_id=eos, pad_token_id=eos[0], **kwargs,
+        torch.tensor([t_ids], device=device),
+        attention_mask=torch.ones(1, len(t_ids), device=device),
+        assistant_model=hf_drafter,
+        max_new_tokens=max_new_tokens,
+        eos_token_id=eos,
+        pad_token_id=eos[0],
+        **kwargs,
         **tokenizers,
-    )  # fmt: skip
+    )
     wall = time.perf_counter() - t0
     ids = out[0, len(t_ids) :].tolist()
     for j, t in enumerate(ids):  # ours reports the answer without its end-of-sequence token
@@ -136,41 +179,57 @@ def summarize(runs: list[Run], plan: list[tuple], greedy: bool) -> list[dict]:
         drafted = sum(r.drafted or 0 for r in rs)
         verify_rounds = sum((r.drafted / r.mean_k) if r.drafted is not None and r.mean_k else 0 for r in rs)
         forward = sum(r.forward_s or 0.0 for r in rs)
-        rows.append({
-            "algorithm": a,
-            "k": k,
-            "wall_s": wall,
-            "tokens_per_s": tokens / wall if wall else 0.0,
-            "speedup_vs_none": none_wall / wall if none_wall and wall else None,
-            "speedup_vs_hf": hf_wall / wall if hf_wall and wall else None,
-            "acceptance_rate": sum(r.accepted or 0 for r in rs) / drafted if ours and drafted else None,
-            "tokens_per_round": tokens / sum(r.rounds or 0 for r in rs) if ours else None,
-            "mean_k": drafted / verify_rounds if ours and verify_rounds else (0.0 if ours else None),
-            "c": _mean(r.c for r in rs) if ours else None,
-            "v": _mean(r.v for r in rs) if ours else None,
-            "overhead_share": max(0.0, 1 - forward / wall) if ours and wall else None,
-            "identical_to_none": (all(r.target_ids == plain[r.prompt] for r in rs) if plain else None)
-            if greedy else None,
-            # the rate, not just all-or-none: in bf16 or 4-bit, rounding can swap near-tied tokens (usd.numerics)
-            "identical_rate": (sum(r.target_ids == plain[r.prompt] for r in rs) / len(rs) if plain and rs else None)
-            if greedy else None,
-            "tokens": tokens,
-        })  # fmt: skip
+        rows.append(
+            {
+                "algorithm": a,
+                "k": k,
+                "wall_s": wall,
+                "tokens_per_s": tokens / wall if wall else 0.0,
+                "speedup_vs_none": none_wall / wall if none_wall and wall else None,
+                "speedup_vs_hf": hf_wall / wall if hf_wall and wall else None,
+                "acceptance_rate": sum(r.accepted or 0 for r in rs) / drafted if ours and drafted else None,
+                "tokens_per_round": tokens / sum(r.rounds or 0 for r in rs) if ours else None,
+                "mean_k": drafted / verify_rounds if ours and verify_rounds else (0.0 if ours else None),
+                "c": _mean(r.c for r in rs) if ours else None,
+                "v": _mean(r.v for r in rs) if ours else None,
+                "overhead_share": max(0.0, 1 - forward / wall) if ours and wall else None,
+                "identical_to_none": (all(r.target_ids == plain[r.prompt] for r in rs) if plain else None)
+                if greedy
+                else None,
+                # the rate, not just all-or-none: in bf16 or 4-bit, rounding can swap near-tied tokens (usd.numerics)
+                "identical_rate": (sum(r.target_ids == plain[r.prompt] for r in rs) / len(rs) if plain and rs else None)
+                if greedy
+                else None,
+                "tokens": tokens,
+            }
+        )
     return rows
 
 
 def machine(pair: Pair) -> dict:
     return {
-        "date": datetime.datetime.now().isoformat(timespec="seconds"), "platform": platform.platform(),
-        "processor": platform.processor() or platform.machine(), "cpu_threads": torch.get_num_threads(),
-        "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None, "torch": torch.__version__,
-        "transformers": __import__("transformers").__version__, "target": pair.target_name,
-        "drafter": pair.drafter_name, "dtype": str(pair.target.dtype).replace("torch.", ""),
-    }  # fmt: skip
+        "date": datetime.datetime.now().isoformat(timespec="seconds"),
+        "platform": platform.platform(),
+        "processor": platform.processor() or platform.machine(),
+        "cpu_threads": torch.get_num_threads(),
+        "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+        "torch": torch.__version__,
+        "transformers": __import__("transformers").__version__,
+        "target": pair.target_name,
+        "drafter": pair.drafter_name,
+        "dtype": str(pair.target.dtype).replace("torch.", ""),
+    }
 
 
-def bench(pair: Pair, prompts: list[Prompt], algorithms: list[str], k="auto", params: SamplingParams | None = None,
-          max_new_tokens: int = 64, log=print) -> dict:  # fmt: skip
+def bench(
+    pair: Pair,
+    prompts: list[Prompt],
+    algorithms: list[str],
+    k="auto",
+    params: SamplingParams | None = None,
+    max_new_tokens: int = 64,
+    log=print,
+) -> dict:
     """Run every (algorithm, k) of `variants` on every prompt, interleaved, after a warm-up. k may be "sweep"."""
     params = params or SamplingParams()
     algorithms = [a for a in algorithms if a != "standard" or pair.same_tokenizer]
@@ -197,11 +256,20 @@ def bench(pair: Pair, prompts: list[Prompt], algorithms: list[str], k="auto", pa
         for variant in order:
             runs.append(one(prompt, variant, max_new_tokens, seed))
         done = {(r.algorithm, r.k): r for r in runs[-len(order) :]}
-        log(f"[{i + 1}/{len(prompts)}] {prompt.id}: " + "  ".join(
-            f"{label(*v)} {done[v].wall_s:.2f}s" for v in plan))  # fmt: skip
-    return {"summary": summarize(runs, plan, params.greedy), "prompts": [asdict(r) for r in runs],
-            "machine": machine(pair), "settings": {"k": k, "temperature": params.temperature, "top_k": params.top_k,
-            "top_p": params.top_p, "seed": params.seed, "max_new_tokens": max_new_tokens}}  # fmt: skip
+        log(f"[{i + 1}/{len(prompts)}] {prompt.id}: " + "  ".join(f"{label(*v)} {done[v].wall_s:.2f}s" for v in plan))
+    return {
+        "summary": summarize(runs, plan, params.greedy),
+        "prompts": [asdict(r) for r in runs],
+        "machine": machine(pair),
+        "settings": {
+            "k": k,
+            "temperature": params.temperature,
+            "top_k": params.top_k,
+            "top_p": params.top_p,
+            "seed": params.seed,
+            "max_new_tokens": max_new_tokens,
+        },
+    }
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -209,24 +277,34 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--drafter", help="default: the catalog's default drafter")
     p.add_argument("--dataset", default="humaneval", help="humaneval, mtbench, or a JSONL file (prompt or messages)")
     p.add_argument("--limit", type=int, default=20, help="how many prompts (default 20)")
-    p.add_argument("--algorithms", default="none,tli,slem,auto,hf",
-                   help=f"comma-separated, from {','.join(ALGORITHMS)} (default none,tli,slem,auto,hf)")  # fmt: skip
+    p.add_argument(
+        "--algorithms",
+        default="none,tli,slem,auto,hf",
+        help=f"comma-separated, from {','.join(ALGORITHMS)} (default none,tli,slem,auto,hf)",
+    )
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-new-tokens", type=int, default=64)
-    p.add_argument("--draft-tokens", default="auto",
-                   help=f"K (1-{settings.DRAFT_TOKENS_MAX}), auto (adapt per round; default) or sweep (each k of "
-                   f"{SWEEP_K[0]}..{SWEEP_K[-1]})")  # fmt: skip
+    p.add_argument(
+        "--draft-tokens",
+        default="auto",
+        help=f"K (1-{settings.DRAFT_TOKENS_MAX}), auto (adapt per round; default) or sweep (each k of "
+        f"{SWEEP_K[0]}..{SWEEP_K[-1]})",
+    )
     p.add_argument("--plot", metavar="OUT.png", help="write the figures (speedups, alpha/tau against k, theory)")
-    p.add_argument("--pairs", metavar="suggested",
-                   help="'suggested': every suggested pair of the catalog whose models are on this machine")
+    p.add_argument(
+        "--pairs",
+        metavar="suggested",
+        help="'suggested': every suggested pair of the catalog whose models are on this machine",
+    )
     p.add_argument("--json", metavar="OUT", help="write the full result as JSON")
     p.add_argument("--csv", metavar="OUT", help="write the summary rows as CSV")
     p.add_argument("--device", choices=["cpu", "cuda"])
-    p.add_argument("--precision", choices=get_args(Precision),
-                   help="for both models; identity checks want fp32 on a CPU")  # fmt: skip
+    p.add_argument(
+        "--precision", choices=get_args(Precision), help="for both models; identity checks want fp32 on a CPU"
+    )
 
 
 def parse_k(text: str):
@@ -236,8 +314,9 @@ def parse_k(text: str):
     try:
         return settings.check_draft_tokens(int(text) if text.isdigit() else text)
     except ValueError:
-        raise ValueError(f"--draft-tokens must be a number from 1 to {settings.DRAFT_TOKENS_MAX}, auto or sweep, "
-                         f"got {text!r}") from None
+        raise ValueError(
+            f"--draft-tokens must be a number from 1 to {settings.DRAFT_TOKENS_MAX}, auto or sweep, got {text!r}"
+        ) from None
 
 
 def pairs_to_run(args, catalog) -> list[tuple[str | None, str | None]]:
@@ -249,11 +328,14 @@ def pairs_to_run(args, catalog) -> list[tuple[str | None, str | None]]:
         raise ValueError(f"--pairs takes 'suggested', got {args.pairs!r}")
     from ..store import local_path
 
-    ready = [(p.target, p.drafter) for p in catalog.pairs
-             if local_path(catalog.get(p.target)) is not None and local_path(catalog.get(p.drafter)) is not None]
+    ready = [
+        (p.target, p.drafter)
+        for p in catalog.pairs
+        if local_path(catalog.get(p.target)) is not None and local_path(catalog.get(p.drafter)) is not None
+    ]
     if not ready:
         raise ValueError("no suggested pair has both models on this machine; `usd pull` one (see `usd models`)")
-    return ready  # fmt: skip
+    return ready
 
 
 def run_cli(args, catalog=None) -> int:
@@ -293,8 +375,10 @@ def run_cli(args, catalog=None) -> int:
             w = csv.DictWriter(f, fieldnames=keys, extrasaction="ignore")
             w.writeheader()
             for result in results:
-                w.writerows({**row, "target": result["machine"]["target"], "drafter": result["machine"]["drafter"]}
-                            for row in result["summary"])  # fmt: skip
+                w.writerows(
+                    {**row, "target": result["machine"]["target"], "drafter": result["machine"]["drafter"]}
+                    for row in result["summary"]
+                )
     return 0
 
 

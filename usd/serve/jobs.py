@@ -32,8 +32,9 @@ POLL_S = 0.25
 
 
 class Job:
-    def __init__(self, service: Service, name: str, inputs: dict, settings: GenerationSettings,
-                 prompt_tokens: int | None = None):  # fmt: skip
+    def __init__(
+        self, service: Service, name: str, inputs: dict, settings: GenerationSettings, prompt_tokens: int | None = None
+    ):
         self.service, self.name, self.inputs, self.settings = service, name, inputs, settings
         self.prompt_tokens = prompt_tokens
         self.cancel = threading.Event()
