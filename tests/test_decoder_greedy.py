@@ -192,7 +192,7 @@ def other_backend_pair(pair):
     return Pair(models[0], pair.target_tokenizer, models[1], pair.drafter_tokenizer, "qwen", "smol", 32768)
 
 
-@pytest.mark.parametrize("prompt", [PROMPTS[0], PROMPTS[2], PROMPTS[3], PROMPTS[6]], ids=range(4))
+@pytest.mark.parametrize("prompt", [PROMPTS[0], PROMPTS[3]], ids=range(2))  # code, emoji: CI time
 def test_the_other_linear_backend_equals_plain_greedy_too(other_backend_pair, prompt):
     p = other_backend_pair
     ids, dids = p.target_tokenizer.encode(prompt), p.drafter_tokenizer.encode(prompt)
