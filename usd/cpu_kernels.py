@@ -80,15 +80,18 @@ def _best_time(fn, x) -> float:
 def measure(model) -> dict:
     """Seconds per forward of every Linear, default and oneDNN, at the decoding row counts: one layer of each shape
     is timed (interleaved, the fastest of a few runs) and counted as often as the shape occurs."""
-    shapes = Counter((m.in_features, m.out_features, m.bias is not None) for _, m in _linears(model))
+    counts: Counter = Counter()
+    first: dict[tuple, torch.nn.Linear] = {}  # one layer of each shape, found in the same pass that counts them
+    for _, m in _linears(model):
+        shape = (m.in_features, m.out_features, m.bias is not None)
+        counts[shape] += 1
+        first.setdefault(shape, m)
     total = {"default": 0.0, "onednn": 0.0}
-    for (n_in, n_out, bias), count in shapes.items():
-        layer = next(
-            m for _, m in _linears(model) if (m.in_features, m.out_features, m.bias is not None) == (n_in, n_out, bias)
-        )
+    for shape, layer in first.items():
+        count = counts[shape]
         fast = OneDNNLinear(layer)
         for rows in ROWS:
-            x = torch.randn(1, rows, n_in)
+            x = torch.randn(1, rows, layer.in_features)
             layer(x), fast(x)  # warm both
             total["default"] += count * _best_time(layer, x)
             total["onednn"] += count * _best_time(fast, x)
