@@ -22,7 +22,7 @@ from .events import Finished, Piece, Round, Stats
 from .pair import Pair, bytes_of, model_context_length, open_context
 from .sampling import DRAFTER_STREAM, SamplingParams, make_generator, position_generator, probabilities
 from .schedule import Schedule
-from .settings import check_draft_tokens, check_max_new_tokens
+from .settings import check_algorithm, check_draft_tokens, check_max_new_tokens
 from .tally import Tally
 from .utf8 import piece_decoder
 from .verify import exact_match, greedy_match, rejection_sampling
@@ -30,8 +30,6 @@ from .verify import exact_match, greedy_match, rejection_sampling
 
 def resolve_algorithm(pair: Pair, algorithm: str) -> str:
     """Check that the algorithm can run on this pair; `auto` stays `auto` (the schedule picks per round)."""
-    from .settings import check_algorithm
-
     check_algorithm(algorithm)
     if algorithm == "auto" and pair.drafter is None:
         return "none"
