@@ -31,7 +31,8 @@ import threading
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from tiny_pairs import tiny_config
+from transformers import LlamaForCausalLM
 
 import usd.decoder
 from usd.decoder import stream
@@ -52,19 +53,7 @@ EOS_STRING = "<|im_end|>"  # Qwen's and SmolLM2's end of sequence (and end of tu
 
 def tiny_model(tokenizer, seed: int) -> LlamaForCausalLM:
     torch.manual_seed(seed)
-    cfg = LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        max_position_embeddings=256,
-        tie_word_embeddings=False,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-    )
-    model = LlamaForCausalLM(cfg).eval()
+    model = LlamaForCausalLM(tiny_config(tokenizer)).eval()
     # like a real checkpoint: generation stops at the tokenizer's eos (the config default would be id 2)
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     model.generation_config.pad_token_id = tokenizer.eos_token_id
