@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from typing import get_args
 
 
 def create(target: str | None = None, drafter: str | None = None, space: bool | None = None,
@@ -37,6 +38,8 @@ def launch(demo, host: str, port: int | None, share: bool = False, concurrency: 
 
 def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")  # no calls home from a local app
+    from usd.catalog import Precision
+
     parser = argparse.ArgumentParser(prog="usd-chat", description="usd-chat: lossless speculative decoding, any pair")
     parser.add_argument("--host", default=os.environ.get("GRADIO_SERVER_NAME", "127.0.0.1"),
                         help="address to listen on (default 127.0.0.1: this machine only)")
@@ -45,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--target", help="target model (catalog name, local path or hub id); default: the catalog's")
     parser.add_argument("--drafter", help="drafter model; default: the catalog's")
     parser.add_argument("--device", choices=["cpu", "cuda"], help="default: cuda when available")
-    parser.add_argument("--precision", choices=["nf4", "int8", "bf16", "fp16", "fp32"],
+    parser.add_argument("--precision", choices=get_args(Precision),
                         help="default: the catalog's choice for the device")
     parser.add_argument("--space", action="store_true", default=None,
                         help="Space mode: only the catalog models the Space serves (USD_CHAT_SPACE_MODELS), no local "

@@ -7,9 +7,10 @@ import json
 import math
 import sys
 from pathlib import Path
+from typing import get_args
 
 from . import chat
-from .catalog import CatalogError, load_catalog
+from .catalog import CatalogError, Precision, load_catalog
 from .loading import LoadError, check_local_dir, default_device, entry_for, plan_load
 from .store import StoreError, local_path, pull
 
@@ -308,8 +309,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--samples", type=_at_least_one, metavar="N", help="N independent generations, seeds S..S+N-1")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
     p.add_argument("--device", choices=["cpu", "cuda"], help="default: cuda when present")
-    p.add_argument("--precision", choices=["nf4", "int8", "bf16", "fp16", "fp32"],
-                   help="override the catalog's precision for both models")  # fmt: skip
+    p.add_argument("--precision", choices=get_args(Precision),
+                   help="override the catalog's precision for both models (gguf: the GGUF on llama.cpp)")  # fmt: skip
     p.set_defaults(func=cmd_generate)
 
     from .bench import add_arguments
