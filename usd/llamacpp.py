@@ -271,8 +271,9 @@ class LlamaCppContext:
         """Feed every id the cache lacks; return the logits of the last `keep` of them (0: all) as [n, V] float32."""
         t0 = time.perf_counter()
         self._claim()
-        if self.cached == len(self.ids):  # nothing new: re-feed the last token to get its logits again
-            self.cached -= 1
+        # Logits are only had by feeding: when the cache already holds positions asked for (the last one, again; or
+        # positions another context fed, sharing the model), they are fed again (same bits: see the docstring).
+        self.cached = min(self.cached, len(self.ids) - max(keep, 1))
         self.model.keep_first(self.cached)
         new = self.ids[self.cached :]
         logits = self.model.feed(new, keep or len(new))
