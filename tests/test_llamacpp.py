@@ -166,10 +166,13 @@ def test_a_cache_rolled_back_through_many_rejections_equals_a_fresh_evaluation(g
     ids = pair.target_tokenizer.encode(PROMPTS[3])
     params = SamplingParams(temperature=1.0, seed=3)  # sampling from the full distribution: drafts are often rejected
     *_, done = stream(pair, ids, pair.drafter_tokenizer.encode(PROMPTS[3]), algorithm="tli", k=8, params=params,
-                      max_new_tokens=160)  # fmt: skip
-    assert done.stats.drafted - done.stats.accepted >= 30, "too few rejections to test rollback"
-    held = list(model.kv)  # what the target's cache holds now, after every crop
-    assert held == (ids + list(done.target_ids))[: len(held)] and len(held) >= len(ids) + 60
+                      max_new_tokens=96)  # fmt: skip
+    assert done.stats.drafted - done.stats.accepted >= 20, "too few rejections to test rollback"
+    # what the target's cache holds now, after every crop (past it, the last round's rejected draft: crops are lazy)
+    held, answer = [], ids + list(done.target_ids)
+    while len(held) < min(len(model.kv), len(answer)) and model.kv[len(held)] == answer[len(held)]:
+        held.append(answer[len(held)])
+    assert len(held) >= len(ids) + 40
     extra = pair.target_tokenizer.encode("\n# done")
     rolled = model.new_context(held + extra).forward(keep=len(extra) + 1)  # reuses the cache, feeds only `extra`
     model.keep_first(0)
