@@ -78,6 +78,7 @@ def launch(demo, host: str, port: int | None, share: bool = False, concurrency: 
 
 def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")  # no calls home from a local app
+
     parser = argparse.ArgumentParser(prog="usd-chat", description="usd-chat: lossless speculative decoding, any pair")
     parser.add_argument(
         "--host",

@@ -350,7 +350,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--samples", type=_at_least_one, metavar="N", help="N independent generations, seeds S..S+N-1")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
     p.add_argument("--device", choices=["cpu", "cuda"], help="default: cuda when present")
-    p.add_argument("--precision", choices=PRECISIONS, help="override the catalog's precision for both models")
+    p.add_argument(
+        "--precision",
+        choices=PRECISIONS,
+        help="override the catalog's precision for both models (gguf: the GGUF on llama.cpp)",
+    )
     p.set_defaults(func=cmd_generate)
 
     from .bench.run import add_arguments

@@ -2,11 +2,13 @@
 
 On CUDA the entry's precision applies (4-bit NF4 with bf16 compute and double quantization by default, or 8-bit, or
 bf16) through bitsandbytes with `device_map="auto"`, so a big target spreads over every visible GPU. On a CPU,
-bitsandbytes is not used: bf16 where the CPU has native bf16 arithmetic, float32 elsewhere.
+bitsandbytes is not used: bf16 where the CPU has native bf16 arithmetic, float32 elsewhere. Precision `gguf` runs the
+model's GGUF file as it is on llama.cpp, on the CPU (`usd.llamacpp`); the tokenizer comes from transformers as always.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import platform
 import re
@@ -15,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .catalog import Catalog, HubSource, ModelEntry, PathSource, Precision, load_catalog
+from .catalog import Catalog, DevicePrecision, HubSource, ModelEntry, PathSource, Precision, load_catalog
 from .store import StoreError, cache_dir, local_path, pull
 
 GiB = 1 << 30
@@ -99,7 +101,20 @@ def available_bytes(device: str) -> int | None:
         return None
 
 
+_GGUF_NOTE = "the GGUF's own quantized weights on llama.cpp (CPU), not converted."
+
+
 def choose_precision(entry: ModelEntry, device: str, precision: Precision | None = None) -> tuple[Precision, str]:
+    from . import llamacpp
+
+    if (precision or (entry.precision.cuda if device == "cuda" else entry.precision.cpu)) == "gguf":
+        if llamacpp.available():
+            return "gguf", f"gguf: {_GGUF_NOTE}"
+        if precision == "gguf":
+            raise LoadError(llamacpp.INSTALL_HINT)
+        # the catalog's choice, not the user's: run it on transformers rather than not at all
+        chosen, note = choose_precision(entry.model_copy(update={"precision": DevicePrecision(cpu="bf16")}), "cpu")
+        return chosen, f"{note} (The catalog runs it on llama.cpp, but llama-cpp-python is not installed.)"
     if device == "cuda":
         chosen = precision or entry.precision.cuda
         return chosen, {
@@ -181,6 +196,12 @@ def estimate_bytes(entry: ModelEntry, precision: Precision, device: str, config=
     """Weights at `precision` plus a 4k-token KV cache plus runtime overhead. From the config when we have it,
     else from the catalog's params_b (assuming 90% of the weights sit in quantizable Linear layers)."""
     compute = 4 if precision == "fp32" else 2
+    if precision == "gguf":  # the file as it is, mapped, plus llama.cpp's f16 cache and its buffers
+        weights = getattr(entry.source, "size", None) or 0.6e9 * (entry.params_b or 0)
+        from .llamacpp import N_CTX_CAP
+
+        kv = _kv_bytes(config, min(N_CTX_CAP, entry.context_length), 2) if config is not None else 0
+        return int(weights + kv + _RUNTIME_OVERHEAD["cpu"]) if weights else 0
     linear: float
     other: float
     if config is not None:
@@ -200,6 +221,8 @@ def plan_load(
 ) -> LoadPlan:
     device = device or default_device()
     chosen, note = choose_precision(entry, device, precision)
+    if chosen == "gguf":
+        device = "cpu"
     if config is None:
         config = _local_config(entry)
     return LoadPlan(device, chosen, note, estimate_bytes(entry, chosen, device, config), available_bytes(device))
@@ -375,6 +398,8 @@ def load_model(
             kwargs["quantization_config"] = quant
     # before the weights: a missing tokenizer then fails in seconds, not after a load that can take minutes
     tokenizer = load_tokenizer(entry, path)
+    if plan.precision == "gguf":
+        return LoadedModel(entry.name, _load_gguf(entry, path, log), tokenizer, plan, path, entry)
     try:
         with verifying(path, entry.name):  # pull only compared sizes and mtimes; the bytes are hashed as they load
             model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
@@ -386,6 +411,24 @@ def load_model(
 
         choose_linear_backend(model, entry.name, cache_dir(), log)
     return LoadedModel(entry.name, model, tokenizer, plan, path, entry)
+
+
+def _load_gguf(entry: ModelEntry, path: Path, log):
+    """The model's GGUF on llama.cpp (usd.llamacpp), its bytes hashed against the manifest as they load."""
+    from transformers import GenerationConfig
+
+    from .llamacpp import LlamaCppModel, LlamaCppUnavailable
+    from .store import GGUF_NAME, gguf_file, verifying
+
+    try:
+        gguf = gguf_file(entry, log=log)
+        generation_config = (
+            GenerationConfig.from_pretrained(path) if (path / "generation_config.json").is_file() else None
+        )
+        with verifying(gguf.parent, entry.name, only=GGUF_NAME) if gguf.name == GGUF_NAME else contextlib.nullcontext():
+            return LlamaCppModel(gguf, n_ctx=entry.context_length, generation_config=generation_config, name=entry.name)
+    except (StoreError, LlamaCppUnavailable, RuntimeError) as e:
+        raise LoadError(f"{entry.name}: {e}") from None
 
 
 def _check_memory(entry: ModelEntry, plan: LoadPlan) -> None:

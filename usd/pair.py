@@ -81,6 +81,14 @@ def bytes_of(tb: TokenizerBytes, i: int) -> bytes:
     return b if b is not None else tb.specials.get(i, "").encode()
 
 
+def model_vocab_size(model) -> int:
+    """How many logits a model scores per position (its LM head's rows, which may exceed the tokenizer's vocabulary),
+    on either runner: a transformers model's output embeddings, else its config's vocab_size (llama.cpp's)."""
+    head = getattr(model, "get_output_embeddings", None)
+    head = head() if head is not None else None
+    return head.weight.shape[0] if head is not None else model.config.vocab_size
+
+
 def model_context_length(model) -> int | None:
     """The most positions a model's config says it takes (learned position tables end there), if it says."""
     cfg = getattr(model, "config", None)
@@ -136,8 +144,7 @@ class Pair:
         """TLI's shared vocabulary I, built once per pair: (drafter ids in I, the target id of each, the target's
         vocabulary size). Several drafter ids may map to one target id."""
         if "map" not in self._cache:
-            vocab_t = self.target.get_output_embeddings().weight.shape[0]
-            vocab_d = self.drafter.get_output_embeddings().weight.shape[0]
+            vocab_t, vocab_d = model_vocab_size(self.target), model_vocab_size(self.drafter)
             if self.same_tokenizer:
                 d_ids = list(range(min(vocab_t, vocab_d)))
                 t_ids = d_ids
