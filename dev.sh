@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One entry point for a fresh machine: creates .venv, installs usd-chat and what it needs, then runs a task.
-#   ./dev.sh test      lint (ruff) and the test suite (pulls the three registry-shipped models on first run; installs
+#   ./dev.sh test      lint (ruff) and the test suite (pulls the four registry-shipped models on first run; installs
 #                      Debian's chromium for the browser test when it is missing and apt-get can run)
 #   ./dev.sh test -m "not slow"   the fast tier: no model download, a few minutes
 #   ./dev.sh app       pull the default pair and launch the chat UI

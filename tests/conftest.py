@@ -15,7 +15,7 @@ from usd import store
 from usd.catalog import load_catalog
 from usd.store import pull
 
-REAL_MODELS = ["smollm2-135m-instruct", "qwen2.5-coder-0.5b-instruct", "gemma-3-270m"]
+REAL_MODELS = ["smollm2-135m-instruct", "qwen2.5-coder-0.5b-instruct", "gemma-3-270m", "qwen2.5-coder-1.5b-instruct"]
 # Fixed at import, before any test points $USD_CHAT_CACHE at a scratch directory: the real models live here.
 USER_CACHE = store.cache_dir()
 

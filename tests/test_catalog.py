@@ -21,7 +21,7 @@ def raw():
 
 def test_builtin_catalog_loads_with_required_content():
     cat = load_catalog()
-    assert (cat.default.target, cat.default.drafter) == ("qwen2.5-coder-0.5b-instruct", "smollm2-135m-instruct")
+    assert (cat.default.target, cat.default.drafter) == ("qwen2.5-coder-1.5b-instruct", "smollm2-135m-instruct")
     for name, sha in MODELS_MD_SHA.items():
         entry = cat.get(name)
         assert entry.source.kind == "pypi" and entry.source.sha256 == sha

@@ -103,6 +103,19 @@ def test_chat_on_llama_cpp_equals_plain_greedy(gguf, question):
 
 @pytest.mark.real_models
 @needs_llama
+def test_the_default_pair_equals_plain_greedy(catalog, real_paths):
+    """The app's and CLI's default pair as they load it (the 1.5B target and SmolLM2, both on llama.cpp on a CPU)."""
+    import usd
+
+    pair = usd.load_pair(catalog=catalog, device="cpu", log=lambda m: None)
+    assert pair.target_name == catalog.default.target and isinstance(pair.target, llamacpp.LlamaCppModel)
+    assert isinstance(pair.drafter, llamacpp.LlamaCppModel)
+    _identity(pair, PROMPTS[0])
+    _identity(pair, messages=[{"role": "user", "content": CHATS[0]}])
+
+
+@pytest.mark.real_models
+@needs_llama
 def test_standard_with_a_same_vocabulary_drafter_on_llama_cpp(catalog, gguf):
     drafter = _load(catalog, QWEN, "gguf")  # its own llama.cpp context, as load_pair gives it
     pair = pair_of(gguf[QWEN], drafter)
