@@ -7,6 +7,7 @@ import json
 
 import pytest
 
+from usd import llamacpp
 from usd.bench.run import ALGORITHMS, SUMMARY_KEYS, bench
 from usd.cli import main
 from usd.datasets import Prompt
@@ -15,6 +16,7 @@ from usd.sampling import SamplingParams
 
 pytestmark = pytest.mark.real_models
 PROMPTS = [{"prompt": "def is_even(n):"}, {"messages": [{"role": "user", "content": "Name three colours."}]}]
+SMALL_PAIR = ["--target", "qwen2.5-coder-0.5b-instruct", "--drafter", "smollm2-135m-instruct"]
 
 
 def valid_png(path) -> tuple[int, ...]:
@@ -36,6 +38,7 @@ def test_bench_every_algorithm_json_csv_png(tmp_path, prompts_file, real_paths, 
     rc = main(
         [
             "bench",
+            *SMALL_PAIR,
             "--dataset",
             str(prompts_file),
             "--limit",
@@ -45,7 +48,7 @@ def test_bench_every_algorithm_json_csv_png(tmp_path, prompts_file, real_paths, 
             "--precision",
             "fp32",
             "--algorithms",
-            ",".join(ALGORITHMS),
+            ",".join(a for a in ALGORITHMS if a != "llamacpp"),
             "--draft-tokens",
             "4",
             "--json",
@@ -81,6 +84,47 @@ def test_bench_every_algorithm_json_csv_png(tmp_path, prompts_file, real_paths, 
     assert "| tli k=4 |" in capsys.readouterr().out
 
 
+@pytest.mark.skipif(not llamacpp.available(), reason="llama-cpp-python is not installed")
+def test_bench_llamacpp_reference_row(tmp_path, prompts_file, real_paths, capsys):
+    """On the llama.cpp runner, the reference row is llama-cpp-python's own generate of the target's GGUF: the same
+    fields as ours, and (greedy) the same tokens as our plain decoding."""
+    rc = main(
+        [
+            "bench",
+            *SMALL_PAIR,
+            "--dataset",
+            str(prompts_file),
+            "--limit",
+            "2",
+            "--max-new-tokens",
+            "16",
+            "--precision",
+            "gguf",
+            "--algorithms",
+            "none,tli,auto,llamacpp",
+            "--json",
+            str(tmp_path / "l.json"),
+        ]
+    )
+    assert rc == 0
+    result = json.loads((tmp_path / "l.json").read_text())
+    rows = {r["algorithm"]: r for r in result["summary"]}
+    assert set(rows) == {"none", "tli", "auto", "llamacpp"} and result["machine"]["dtype"] == "gguf"
+    assert set(SUMMARY_KEYS) <= set(rows["llamacpp"])
+    assert rows["llamacpp"]["acceptance_rate"] is None and rows["llamacpp"]["tokens_per_s"] > 0
+    for r in rows.values():
+        assert r["identical_to_none"] is True, f"{r['algorithm']} differs from our plain greedy"
+        assert r["speedup_vs_llamacpp"] > 0
+    assert "vs llama.cpp" in capsys.readouterr().out
+
+
+def test_bench_llamacpp_reference_needs_the_gguf_target(prompts_file, real_paths, capsys):
+    rc = main(
+        ["bench", *SMALL_PAIR, "--dataset", str(prompts_file), "--precision", "fp32", "--algorithms", "none,llamacpp"]
+    )
+    assert rc == 2 and "--precision gguf" in capsys.readouterr().err
+
+
 def test_bench_standard_on_a_same_tokenizer_pair(catalog, real_paths):
     from usd.loading import load_model
 
@@ -97,6 +141,7 @@ def test_bench_sweep_over_draft_lengths(tmp_path, prompts_file, real_paths):
     rc = main(
         [
             "bench",
+            *SMALL_PAIR,
             "--dataset",
             str(prompts_file),
             "--limit",
@@ -140,8 +185,6 @@ def test_bench_suggested_pairs_that_are_on_this_machine(tmp_path, prompts_file, 
             "1",
             "--max-new-tokens",
             "4",
-            "--precision",
-            "fp32",
             "--algorithms",
             "none,tli",
             "--draft-tokens",
@@ -160,7 +203,7 @@ def test_bench_suggested_pairs_that_are_on_this_machine(tmp_path, prompts_file, 
         for r in json.loads((tmp_path / "p.json").read_text())["pairs"]
     ]
     # every suggested pair whose two models ship on the registry (the tests pulled them); hub-only pairs are skipped
-    offline = {"smollm2-135m-instruct", "qwen2.5-coder-0.5b-instruct", "gemma-3-270m"}
+    offline = {"smollm2-135m-instruct", "qwen2.5-coder-0.5b-instruct", "gemma-3-270m", "qwen2.5-coder-1.5b-instruct"}
     assert ran == [(p.target, p.drafter) for p in catalog.pairs if {p.target, p.drafter} <= offline]
     with open(tmp_path / "p.csv") as f:
         assert {(r["target"], r["drafter"]) for r in csv.DictReader(f)} == set(ran)

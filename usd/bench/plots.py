@@ -51,7 +51,7 @@ def plot(result: dict, path: str, title: str = "") -> None:
     ax.bar(
         [label(r["algorithm"], r["k"]) for r in rows],
         [r["speedup_vs_none"] for r in rows],
-        color=["#94a3b8" if r["algorithm"] in ("none", "hf") else "#16a34a" for r in rows],
+        color=["#94a3b8" if r["algorithm"] in ("none", "hf", "llamacpp") else "#16a34a" for r in rows],
     )
     ax.axhline(1.0, color="black", lw=0.8, ls="--")
     ax.set_ylabel("speedup over plain decoding (wall time)")

@@ -17,19 +17,26 @@ def _fmt(x, spec=".2f"):
     return format(x, spec)
 
 
+def _speedup(x) -> str:
+    return _fmt(x) + ("x" if x else "")
+
+
 def _identity(row: dict) -> str:
     rate = row.get("identical_rate")
     return "-" if rate is None else ("yes" if rate == 1 else f"NO: {rate:.0%}")
 
 
 def table(summary: list[dict], dtype: str | None = None) -> str:
-    """The summary as a Markdown table; `dtype`, the precision the target ran in, heads the identity column."""
+    """The summary as a Markdown table; `dtype`, the precision the target ran in, heads the identity column. The
+    llama.cpp column appears when the run has that reference."""
+    vs_llama = any(r.get("speedup_vs_llamacpp") for r in summary)
     head = [
         "algorithm",
         "wall s",
         "tok/s",
         "vs none",
         "vs hf",
+        *(["vs llama.cpp"] if vs_llama else []),
         "alpha",
         "tau",
         "mean k",
@@ -46,6 +53,7 @@ def table(summary: list[dict], dtype: str | None = None) -> str:
             _fmt(r["tokens_per_s"], ".1f"),
             _fmt(r["speedup_vs_none"]) + ("x" if r["speedup_vs_none"] else ""),
             _fmt(r["speedup_vs_hf"]) + ("x" if r["speedup_vs_hf"] else ""),
+            *([_speedup(r.get("speedup_vs_llamacpp"))] if vs_llama else []),
             _fmt(r["acceptance_rate"]),
             _fmt(r["tokens_per_round"]),
             _fmt(r["mean_k"], ".1f"),

@@ -30,8 +30,12 @@ from ..sampling import SamplingParams
 from .plots import plot
 from .report import label, pair_plot_path, table
 
-ALGORITHMS = (*settings.ALGORITHMS, "hf")
-"""The generation algorithms, and `hf`: transformers' own assisted generation, which only the benchmark runs."""
+ALGORITHMS = (*settings.ALGORITHMS, "hf", "llamacpp")
+"""The generation algorithms, and two references only the benchmark runs: `hf`, transformers' own assisted
+generation, and `llamacpp`, llama-cpp-python's own generate on the target's GGUF (what a CPU user would otherwise
+run)."""
+REFERENCES = ("hf", "llamacpp")
+"""Not ours: they run once per prompt at their own draft length (none), and have no rounds or acceptance."""
 SWEEP_K = tuple(range(1, 9))
 """`--draft-tokens sweep`: every drafting algorithm at each of these draft lengths."""
 SUMMARY_KEYS = (
@@ -41,6 +45,7 @@ SUMMARY_KEYS = (
     "tokens_per_s",
     "speedup_vs_none",
     "speedup_vs_hf",
+    "speedup_vs_llamacpp",
     "acceptance_rate",
     "tokens_per_round",
     "mean_k",
@@ -146,6 +151,42 @@ def run_hf(pair: Pair, hf_drafter, prompt: Prompt, params: SamplingParams, max_n
     return Run(prompt.id, "hf", None, ids, wall, len(ids))
 
 
+def reference_llama(pair: Pair):
+    """llama-cpp-python's high-level `Llama` on the target's GGUF, as a user would open it: its default kernels
+    (repacked weights and all), the same threads and context as our runner's."""
+    from ..llamacpp import LlamaCppModel, _lib
+
+    target = pair.target
+    if not isinstance(target, LlamaCppModel):
+        raise ValueError("the llamacpp reference runs the target's GGUF: load the pair with --precision gguf")
+    _lib()  # our runner's settings first (GGML_CPU_TILED_MM is read once per process, by whichever comes first)
+    from llama_cpp import Llama
+
+    return Llama(
+        model_path=str(target.path), n_ctx=target.n_ctx, n_threads=target.n_threads, n_gpu_layers=0, verbose=False
+    )
+
+
+def run_llamacpp(pair: Pair, llm, prompt: Prompt, params: SamplingParams, max_new_tokens: int) -> Run:
+    t_ids, _ = _ids(pair, prompt)
+    eos = pair.eos_ids()
+    if params.greedy:
+        sampling = {"temp": 0.0, "top_k": 1}
+    else:
+        sampling = {"temp": params.temperature, "top_k": params.top_k or 0, "top_p": params.top_p, "min_p": 0.0}
+        llm.set_seed(params.seed if params.seed is not None else -1)
+    ids: list[int] = []
+    t0 = time.perf_counter()
+    for token in llm.generate(t_ids, repeat_penalty=1.0, reset=True, **sampling):
+        if token in eos:
+            break
+        ids.append(token)
+        if len(ids) >= max_new_tokens:
+            break
+    wall = time.perf_counter() - t0
+    return Run(prompt.id, "llamacpp", None, ids, wall, len(ids))
+
+
 def _mean(xs):
     xs = [x for x in xs if x is not None]
     return sum(xs) / len(xs) if xs else None
@@ -158,8 +199,8 @@ def variants(algorithms: list[str], k) -> list[tuple[str, int | str | None]]:
     for a in algorithms:
         if a == "none":
             out.append(("none", 0))
-        elif a == "hf":
-            out.append(("hf", None))
+        elif a in REFERENCES:
+            out.append((a, None))
         else:
             out += [(a, kk) for kk in SWEEP_K] if k == "sweep" else [(a, k)]
     return out
@@ -170,12 +211,13 @@ def summarize(runs: list[Run], plan: list[tuple], greedy: bool) -> list[dict]:
     walls = {v: sum(r.wall_s for r in rs) for v, rs in by.items()}
     none_wall = walls.get(("none", 0))
     hf_wall = walls.get(("hf", None))
+    llama_wall = walls.get(("llamacpp", None))
     plain = {r.prompt: r.target_ids for r in by.get(("none", 0), [])}
     rows = []
     for (a, k), rs in by.items():
         wall = walls[(a, k)]
         tokens = sum(r.tokens for r in rs)
-        ours = a != "hf"
+        ours = a not in REFERENCES
         drafted = sum(r.drafted or 0 for r in rs)
         verify_rounds = sum((r.drafted / r.mean_k) if r.drafted is not None and r.mean_k else 0 for r in rs)
         forward = sum(r.forward_s or 0.0 for r in rs)
@@ -187,6 +229,7 @@ def summarize(runs: list[Run], plan: list[tuple], greedy: bool) -> list[dict]:
                 "tokens_per_s": tokens / wall if wall else 0.0,
                 "speedup_vs_none": none_wall / wall if none_wall and wall else None,
                 "speedup_vs_hf": hf_wall / wall if hf_wall and wall else None,
+                "speedup_vs_llamacpp": llama_wall / wall if llama_wall and wall else None,
                 "acceptance_rate": sum(r.accepted or 0 for r in rs) / drafted if ours and drafted else None,
                 "tokens_per_round": tokens / sum(r.rounds or 0 for r in rs) if ours else None,
                 "mean_k": drafted / verify_rounds if ours and verify_rounds else (0.0 if ours else None),
@@ -206,6 +249,15 @@ def summarize(runs: list[Run], plan: list[tuple], greedy: bool) -> list[dict]:
     return rows
 
 
+def target_precision(pair: Pair) -> str:
+    """What the identity column's heading names: the target's weights as they ran."""
+    from ..llamacpp import LlamaCppModel
+
+    if isinstance(pair.target, LlamaCppModel):
+        return "gguf"
+    return str(pair.target.dtype).replace("torch.", "")
+
+
 def machine(pair: Pair) -> dict:
     return {
         "date": datetime.datetime.now().isoformat(timespec="seconds"),
@@ -217,7 +269,7 @@ def machine(pair: Pair) -> dict:
         "transformers": __import__("transformers").__version__,
         "target": pair.target_name,
         "drafter": pair.drafter_name,
-        "dtype": str(pair.target.dtype).replace("torch.", ""),
+        "dtype": target_precision(pair),
     }
 
 
@@ -235,12 +287,15 @@ def bench(
     algorithms = [a for a in algorithms if a != "standard" or pair.same_tokenizer]
     plan = variants(algorithms, k)
     hf_drafter = copy.deepcopy(pair.drafter) if "hf" in algorithms else None
+    llm = reference_llama(pair) if "llamacpp" in algorithms else None
 
     def one(prompt, variant, n, seed):
         a, kk = variant
         p = SamplingParams(params.temperature, params.top_k, params.top_p, seed)
         if a == "hf":
             return run_hf(pair, hf_drafter, prompt, p, n)
+        if a == "llamacpp":
+            return run_llamacpp(pair, llm, prompt, p, n)
         return run_ours(pair, prompt, a, kk, p, n)
 
     log(f"warm-up: every algorithm once on {prompts[0].id}, 8 tokens")
@@ -348,6 +403,11 @@ def run_cli(args, catalog=None) -> int:
     if unknown:
         raise ValueError(f"unknown algorithm(s) {', '.join(unknown)}; choose from {', '.join(ALGORITHMS)}")
     k = parse_k(args.draft_tokens)
+    if "llamacpp" in algorithms:
+        from .. import llamacpp
+
+        if not llamacpp.available():
+            raise ValueError(f"the llamacpp reference: {llamacpp.INSTALL_HINT}")
     prompts = load_prompts(args.dataset, args.limit)
     if not prompts:
         raise ValueError(f"dataset {args.dataset} has no prompts")
