@@ -168,6 +168,19 @@ def stream(
     yield Finished(text=live.text, target_ids=(), stats=live.stats())
 
 
+ROUND_KEYS = ("pieces", "round", "k", "expected_speedup", "algorithm", "declined")
+"""What a `usd serve` chunk says of its round (the rest of its `speculative` object is the running statistics)."""
+
+
+def _declined(value) -> tuple[str, int, float] | None:
+    """A round's `declined` as the server sent it (a JSON list), or None when it is missing or malformed."""
+    try:
+        algorithm, k, speedup = value
+        return str(algorithm), int(k), float(speedup)
+    except (TypeError, ValueError):
+        return None
+
+
 class _Remote:
     """The running state of one remote answer."""
 
@@ -189,7 +202,7 @@ class _Remote:
             self.vllm = metrics["speculative_decoding"]
         spec = extra.get("speculative")
         if isinstance(spec, dict):
-            self.spec = {k: v for k, v in spec.items() if k not in ("pieces", "round", "k", "expected_speedup")}
+            self.spec = {k: v for k, v in spec.items() if k not in ROUND_KEYS}
         text, reason = "", None
         if chunk.choices:
             choice = chunk.choices[0]
@@ -223,6 +236,8 @@ class _Remote:
                 other_s=0.0,
                 stats=self.stats(),
                 expected_speedup=spec.get("expected_speedup"),
+                algorithm=str(spec.get("algorithm") or ""),
+                declined=_declined(spec.get("declined")),
             )
         if not text:
             return None

@@ -74,6 +74,8 @@ class Live:
     k: int = 0
     expected_speedup: float | None = None
     """What auto's cost model expected of the last round's (algorithm, k), against plain decoding."""
+    choice: str | None = None
+    """Auto's last choice in words: what it ran and why (see `auto_choice`)."""
     stats: Stats | None = None
     chart: list[dict] = field(default_factory=list)
     finished: Finished | None = None
@@ -86,6 +88,8 @@ class Live:
         self.pieces.extend(event.pieces)
         self.k = event.k
         self.expected_speedup = event.expected_speedup
+        if self.algorithm == "auto":
+            self.choice = auto_choice(event)
         emitted = len([p for p in event.emitted if p.target_id is not None])
         self.chart.append({"round": event.index, "series": "accepted", "tokens": event.accepted})
         self.chart.append({"round": event.index, "series": "emitted", "tokens": emitted})
@@ -116,6 +120,7 @@ class Live:
                 "measured_speedup": None,
                 "speedup_basis": None,
                 "expected_speedup": None,
+                "choice": self.choice,
             }
         out = {
             "tokens_per_s": s.tokens_per_s,
@@ -133,6 +138,7 @@ class Live:
             "measured_speedup": None,
             "speedup_basis": None,
             "expected_speedup": self.expected_speedup,
+            "choice": self.choice,
         }
         plain_rounds = s.rounds_by_algorithm.get("none", 0)
         if self.baseline_tokens_per_s and s.tokens_per_s:
@@ -143,6 +149,18 @@ class Live:
             out["measured_speedup"] = s.tokens_per_s * s.step_s
             out["speedup_basis"] = "estimated from this answer's plain steps"
         return out
+
+
+def auto_choice(event: Round) -> str:
+    """What auto ran this round and the cost model's reason, in words."""
+    if event.algorithm != "none":
+        expected = f", expected {event.expected_speedup:.2f}x" if event.expected_speedup else ""
+        return f"{event.algorithm} k={event.k}{expected}"
+    if event.declined is None:
+        return "plain decoding (still measuring)"
+    algorithm, k, speedup = event.declined
+    verdict = "speculation does not pay on this machine" if speedup < 1 else "re-measuring plain decoding"
+    return f"plain decoding: the best speculation, {algorithm} k={k}, is expected at {speedup:.2f}x; {verdict}"
 
 
 def _fmt(x, spec: str = ".2f", unit: str = "") -> str:
@@ -182,6 +200,7 @@ def stats_html(n: dict, algorithm: str) -> str:
         ("verify cost v", _fmt(n.get("v"), ".2f")),
         ("theoretical speedup", _fmt(n.get("theoretical_speedup"), ".2f", "x")),
         ("expected speedup at this k", _fmt(n.get("expected_speedup"), ".2f", "x")),
+        *([("auto's choice", html.escape(n["choice"]))] if n.get("choice") else []),
         (
             "measured speedup",
             _fmt(n.get("measured_speedup"), ".2f", "x")

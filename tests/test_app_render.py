@@ -460,3 +460,17 @@ def test_background_stream_keeps_order_raises_errors_and_cancels_when_abandoned(
     next(stream)
     stream.close()  # the browser went away: the loop must end, not run on
     assert started.is_set() and cancel.is_set()
+
+
+def test_the_stats_say_in_words_what_auto_chose_and_why():
+    declined = Round(3, 0, (piece("x", "target", 3),), 0, 0, 0.0, 0.1, 0.0, "none", declined=("tli", 1, 0.74))
+    live = render.Live("auto")
+    live.add(declined)
+    text = render.stats_html(live.numbers(), "auto")
+    assert "plain decoding: the best speculation, tli k=1, is expected at 0.74x" in text
+    assert "speculation does not pay on this machine" in text
+    live.add(Round(4, 3, (piece("y", "accepted", 4),), 3, 1, 0.01, 0.1, 0.0, "slem", expected_speedup=1.31))
+    assert "slem k=3, expected 1.31x" in render.stats_html(live.numbers(), "auto")
+    plain = render.Live("tli")
+    plain.add(declined)
+    assert "auto&#x27;s choice" not in render.stats_html(plain.numbers(), "tli")

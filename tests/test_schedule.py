@@ -99,6 +99,22 @@ def test_falls_back_to_plain_when_every_k_loses_and_probes_less_and_less():
         assert len(gaps) >= 2 and gaps[-1] > gaps[0] >= PROBE_EVERY  # the wait grows while it keeps losing
 
 
+def test_a_plain_round_names_the_speculation_it_declined_and_why():
+    s = Schedule(fake_pair(), "auto", "auto")
+    world = World(**LOSES)
+    world.run(s, 200)
+    mode, _ = world.round(s)
+    while mode != "none":
+        mode, _ = world.round(s)
+    algorithm, k, speedup = s.declined
+    assert algorithm in ("tli", "slem") and speedup < 1, "every k loses here: the best option is below plain"
+    assert speedup == pytest.approx(s.model.expected_speedup(algorithm, k))
+    s = Schedule(fake_pair(), "auto", "auto")
+    world = World(**PAYS)
+    world.run(s, 200)
+    assert s.next()[0] != "none" and s.declined is None
+
+
 def test_switches_to_the_algorithm_that_wins_and_back():
     pair = fake_pair()
     s = Schedule(pair, "auto", "auto")

@@ -349,6 +349,7 @@ class Generation:
             draft_steps=draft.steps,
             stats=self.stats(),
             expected_speedup=expected,
+            declined=self.schedule.declined if mode == "none" else None,
         )
 
 

@@ -37,6 +37,8 @@ class Round:
     """The generation's numbers so far, computed as the final ones are (live equals final)."""
     expected_speedup: float | None = None
     """What auto's cost model expected of this round's (algorithm, k) against plain decoding, when it could tell."""
+    declined: tuple[str, int, float] | None = None
+    """A plain round of auto's: the best speculating (algorithm, k) it weighed instead, and its expected speedup."""
 
     @property
     def emitted(self) -> tuple[Piece, ...]:

@@ -171,6 +171,9 @@ class Schedule:
             self.since.setdefault(m, 0)
         self.expected_speedup: float | None = None
         """What the model expects of the round just chosen, against plain decoding (None until it can tell)."""
+        self.declined: tuple[str, int, float] | None = None
+        """When auto chose a plain step although it could speculate: the best speculating (mode, k) it weighed and
+        the speedup it expected of it (below 1 where speculation does not pay on this machine)."""
 
     def k_for(self, mode: str) -> int:
         if mode == "none":
@@ -192,7 +195,14 @@ class Schedule:
             mode = self.modes[0] if len(self.modes) == 1 else self._choose()
         k = self.k_for(mode)
         self.expected_speedup = 1.0 if mode == "none" else self.model.expected_speedup(mode, k)
+        self.declined = self._best_speculation() if mode == "none" and len(self.modes) > 1 else None
         return mode, k
+
+    def _best_speculation(self) -> tuple[str, int, float] | None:
+        options = [(m, self.k_for(m)) for m in self.modes if m != "none"]
+        rated = [(m, k, self.model.expected_speedup(m, k)) for m, k in options]
+        known = [(m, k, x) for m, k, x in rated if x is not None]
+        return max(known, key=lambda option: option[2]) if known else None
 
     def _choose(self) -> str:
         untried = [m for m in self.modes if self.model.rounds(m) < MIN_TRIES]

@@ -249,6 +249,8 @@ async def stream(
                     "round": event.index,
                     "k": event.k,
                     "expected_speedup": event.expected_speedup,
+                    "algorithm": event.algorithm,
+                    "declined": event.declined,
                 }
                 spec = {**(p.speculative_stats(event.stats, counts) if event.stats else {}), **extra}
                 yield _sse(shape.chunk(text, spec=spec))
