@@ -1,6 +1,9 @@
-"""Plain decoding speed on the llama.cpp runner against transformers fp32, and the llama runner's verify cost v(k).
+"""The runners side by side on this CPU: plain decoding speed of a model on llama.cpp (its GGUF as it is), on
+transformers fp32 with PyTorch's default Linear and with oneDNN Linear layers; and each runner's step cost and verify
+cost v(k), written as a profile that `usd project --profile` reads.
 
-    PYTHONPATH=. python scripts/measure_llamacpp.py qwen2.5-coder-0.5b-instruct qwen2.5-coder-1.5b-instruct
+    PYTHONPATH=. python scripts/measure_llamacpp.py --json docs/bench/cpu-runners.json \\
+        qwen2.5-coder-1.5b-instruct smollm2-135m-instruct
 
 Same process, interleaved repetitions, medians. A step is one forward of one new token at a ~300-token context;
 v(k) is a forward of k+1 new tokens with logits for each, in single steps.
@@ -8,17 +11,24 @@ v(k) is a forward of k+1 new tokens with logits for each, in single steps.
 
 from __future__ import annotations
 
+import argparse
+import datetime
+import json
+import platform
 import statistics
-import sys
 import time
 
+import torch
+import transformers
+
+from usd import cpu_kernels
 from usd.catalog import load_catalog
 from usd.loading import load_model
 from usd.pair import open_context
 
 FUNC = 'def add_{i}(x):\n    """Return x plus {i}."""\n    return x + {i}\n\n\n'
 PROMPT = "".join(FUNC.format(i=i) for i in range(14))
-STEPS, REPS = 16, 5
+STEPS, REPS, KS = 16, 5, range(1, 9)
 
 
 def decode_rate(model, ids) -> float:
@@ -32,41 +42,74 @@ def decode_rate(model, ids) -> float:
     return STEPS / (time.perf_counter() - t0)
 
 
-def verify_costs(model, ids, ks=range(1, 9)) -> dict[int, float]:
+def forward_times(model, ids) -> dict:
+    """Median seconds of a forward of 1 new token (step_s) and of k+1 new tokens (verify_s[k])."""
     ctx = open_context(model, ids)
     ctx.forward(keep=1)
     n = len(ctx.ids)
-    times: dict[int, list[float]] = {k: [] for k in [0, *ks]}
+    times: dict[int, list[float]] = {k: [] for k in [0, *KS]}
     for _ in range(REPS):
         for k in times:
-            ctx.ids.extend(ids[10 : 11 + k])  # k+1 new tokens
+            ctx.ids.extend(ids[10 : 11 + k])
             t0 = time.perf_counter()
             ctx.forward(keep=k + 1)
             times[k].append(time.perf_counter() - t0)
             ctx.truncate(n)
-    step = statistics.median(times[0])
-    return {"step_ms": step * 1e3, **{k: statistics.median(times[k]) / step for k in ks}}
+    return {"step_s": statistics.median(times[0]), "verify_s": {str(k): statistics.median(times[k]) for k in KS}}
 
 
-def main(names: list[str]) -> None:
+def runners(entry):
+    """(label, model, switch) for each way this CPU can run the model; switch() puts it in that state."""
+    g = load_model(entry, device="cpu", precision="gguf", log=lambda m: None).model
+    f = load_model(entry, device="cpu", precision="fp32", log=lambda m: None)
+    out = [("gguf", g, lambda: None)]
+    out.append(("fp32", f.model, lambda: cpu_kernels.use_default(f.model)))
+    out.append(("fp32-onednn", f.model, lambda: cpu_kernels.use_onednn(f.model)))
+    return out, f.tokenizer
+
+
+def short(name: str) -> str:
+    return name.removesuffix("-instruct")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("models", nargs="+")
+    parser.add_argument("--json", metavar="OUT", help="write a usd project profile")
+    parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds of the decode-rate measurement")
+    args = parser.parse_args()
     catalog = load_catalog()
-    for name in names:
-        entry = catalog.get(name)
-        g = load_model(entry, device="cpu", precision="gguf", log=lambda m: None)
-        f = load_model(entry, device="cpu", precision="fp32", log=lambda m: None)
-        ids = g.tokenizer.encode(PROMPT)
-        rates = {"gguf": [], "fp32": []}
-        for _ in range(3):  # interleaved
-            rates["gguf"].append(decode_rate(g.model, ids))
-            rates["fp32"].append(decode_rate(f.model, ids))
-        print(
-            f"{name}: {len(ids)}-token prompt, plain decoding tok/s (median of 3): llama.cpp "
-            f"{statistics.median(rates['gguf']):.1f}, transformers fp32 {statistics.median(rates['fp32']):.1f}"
-        )
-        v = verify_costs(g.model, ids)
-        print(f"  llama.cpp step {v.pop('step_ms'):.1f} ms; v(k) = " + ", ".join(f"{k}: {x:.2f}" for k, x in v.items()))
-        del f
+    profile: dict = {
+        "device": f"cpu ({torch.get_num_threads()} threads), {platform.processor() or platform.machine()}",
+        "date": datetime.date.today().isoformat(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "context": None,
+        "models": {},
+    }
+    for name in args.models:
+        ways, tok = runners(catalog.get(name))
+        ids = tok.encode(PROMPT)
+        profile["context"] = len(ids)
+        rates: dict[str, list[float]] = {label: [] for label, _, _ in ways}
+        for _ in range(args.rounds):  # interleaved
+            for label, model, switch in ways:
+                switch()
+                rates[label].append(decode_rate(model, ids))
+        print(f"{name}: {len(ids)}-token prompt, plain decoding tok/s (median of {args.rounds}):")
+        for label, model, switch in ways:
+            switch()
+            costs = forward_times(model, ids)
+            profile["models"][f"{short(name)}@{label}"] = {"precision": label, **costs}
+            v = ", ".join(f"{k}: {s / costs['step_s']:.2f}" for k, s in costs["verify_s"].items())
+            rate = statistics.median(rates[label])
+            print(f"  {label:12s} {rate:6.1f} tok/s, step {costs['step_s'] * 1e3:.1f} ms, v(k) {v}")
+        del ways
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as f:
+            json.dump(profile, f, indent=1)
+        print(f"profile: {args.json}")
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:] or ["qwen2.5-coder-0.5b-instruct"])
+    main()
