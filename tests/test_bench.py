@@ -72,8 +72,10 @@ def test_bench_every_algorithm_json_csv_png(tmp_path, prompts_file, real_paths, 
     for a in ("tli", "slem"):
         assert 0 <= rows[a]["acceptance_rate"] <= 1 and rows[a]["tokens_per_round"] >= 1
         assert rows[a]["c"] > 0 and rows[a]["v"] > 0 and rows[a]["mean_k"] > 0 and 0 <= rows[a]["overhead_share"] < 1
+        assert rows[a]["predicted_speedup"] > 0
     assert rows["none"]["speedup_vs_none"] == pytest.approx(1.0)
     assert rows["hf"]["acceptance_rate"] is None and rows["none"]["acceptance_rate"] is None
+    assert rows["hf"]["predicted_speedup"] is None and rows["none"]["predicted_speedup"] is None
     assert len(result["prompts"]) == 2 * 5
     assert result["machine"]["target"] == "qwen2.5-coder-0.5b-instruct"
     with open(tmp_path / "out.csv") as f:

@@ -43,6 +43,7 @@ def table(summary: list[dict], dtype: str | None = None) -> str:
         "c",
         "v",
         "overhead",
+        "predicted",
         f"identical ({dtype})" if dtype else "identical",
     ]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
@@ -61,6 +62,7 @@ def table(summary: list[dict], dtype: str | None = None) -> str:
             _fmt(r["v"]),
             _fmt(r["overhead_share"] * 100 if r["overhead_share"] is not None else None, ".1f")
             + ("%" if r["overhead_share"] is not None else ""),
+            _speedup(r.get("predicted_speedup")),
             _identity(r),
         ]
         lines.append("| " + " | ".join(cells) + " |")

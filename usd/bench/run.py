@@ -52,6 +52,7 @@ SUMMARY_KEYS = (
     "c",
     "v",
     "overhead_share",
+    "predicted_speedup",
     "identical_to_none",
 )
 
@@ -206,6 +207,18 @@ def variants(algorithms: list[str], k) -> list[tuple[str, int | str | None]]:
     return out
 
 
+def _predicted(runs: list[Run], drafted: int, verify_rounds: float) -> float | None:
+    """The theory's S = tau(alpha, k) / (k c + v) from this row's measured alpha, mean k, c and v: what the cost
+    model would expect, to set beside the measured speedup."""
+    from ..theory import expected_speedup
+
+    c, v = _mean(r.c for r in runs), _mean(r.v for r in runs)
+    if not drafted or c is None or v is None or not verify_rounds:
+        return None
+    alpha = sum(r.accepted or 0 for r in runs) / drafted
+    return expected_speedup(alpha, max(1, round(drafted / verify_rounds)), c, v)
+
+
 def summarize(runs: list[Run], plan: list[tuple], greedy: bool) -> list[dict]:
     by = {v: [r for r in runs if (r.algorithm, r.k) == v] for v in plan}
     walls = {v: sum(r.wall_s for r in rs) for v, rs in by.items()}
@@ -236,6 +249,7 @@ def summarize(runs: list[Run], plan: list[tuple], greedy: bool) -> list[dict]:
                 "c": _mean(r.c for r in rs) if ours else None,
                 "v": _mean(r.v for r in rs) if ours else None,
                 "overhead_share": max(0.0, 1 - forward / wall) if ours and wall else None,
+                "predicted_speedup": _predicted(rs, drafted, verify_rounds) if ours and a != "none" else None,
                 "identical_to_none": (all(r.target_ids == plain[r.prompt] for r in rs) if plain else None)
                 if greedy
                 else None,
