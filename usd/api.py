@@ -15,7 +15,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterator
 
-from . import chat, decoder, numerics
+from . import chat, decoder, numerics, suggest
 from .catalog import Catalog, load_catalog
 from .events import Finished, Round
 from .loading import entry_for, load_model
@@ -78,6 +78,7 @@ def stream(
     check_context(pair, len(t_ids), s.max_new_tokens)
     events = decoder.stream(pair, t_ids, d_ids, algorithm=s.algorithm, k=s.draft_tokens, params=s.sampling_params(),
                             max_new_tokens=s.max_new_tokens, stop_strings=s.stop_strings, cancel=cancel)  # fmt: skip
+    events = suggest.recording(pair, events, greedy=s.temperature == 0)  # what use shows refines `usd suggest`
     for event in events:
         if isinstance(event, Finished) and messages is not None and pair.drafter is not None:
             chat.record_rendering(pair.memory, rendering, event.stats.accepted, event.stats.drafted)
