@@ -175,3 +175,48 @@ def test_replay_acceptance_equals_generate_draft_tokens_1_on_the_real_pair(real_
                                                                             drafted), strict=True)]  # fmt: skip
     assert totals["tli"][1] > 50 and 0 < totals["tli"][0] < totals["tli"][1]
     print(totals)
+
+
+# --- the Pair tab -----------------------------------------------------------------------------------------------------
+
+
+def test_pair_tab_ranking_handler_shows_table_chart_and_loadable_picks(catalog, monkeypatch):
+    """The handler behind "Rank drafters for this target", on numbers given here (the browser test runs it for real,
+    tests/test_app.py)."""
+    import gradio as gr
+
+    from app import suggest_ui
+    from app.pairs import Pairs
+    from app.ui import Handlers, build
+
+    v = {k: 1.0 + 0.1 * k for k in range(1, 9)}
+    measured = [Measured("gemma-3-270m", family="gemma3", tokenizer="sentencepiece", shared=95934,
+                         shared_pct_target=63.1, alpha_ceiling=0.9, c=0.05, acceptance={"slem": Acceptance(7, 10)}),
+                Measured("smollm2-135m-instruct", c=0.9, acceptance={"tli": Acceptance(5, 10)}),
+                Measured("no-vocab", unavailable=dict.fromkeys(suggest.ALGORITHMS, "no"))]  # fmt: skip
+    seen = {}
+
+    def fake_suggest(target, drafters, load, prompts, key, progress, **_):
+        seen.update(target=target, drafters=drafters, key=key)
+        progress(0.5, "measuring")
+        return {"target": target, "prompts": key, "machine": "here", "v": v, "step_s": 0.05,
+                "rows": suggest.rank(measured, v)}  # fmt: skip
+
+    monkeypatch.setattr(suggest, "suggest", fake_suggest)
+    monkeypatch.setattr(suggest, "candidates", lambda cat, t: ["gemma-3-270m", "smollm2-135m-instruct", "no-vocab"])
+    pairs = Pairs(catalog)
+    pairs.allowed = [*pairs.allowed, "no-vocab"]
+    h = Handlers(pairs)
+    df, bars, pick, message = suggest_ui.rank_drafters(h, "qwen2.5-coder-0.5b-instruct", "", lambda *a, **k: None)
+    assert seen == {"target": "qwen2.5-coder-0.5b-instruct", "key": "code",
+                    "drafters": ["gemma-3-270m", "smollm2-135m-instruct", "no-vocab"]}  # fmt: skip
+    assert list(df["drafter"]) == ["gemma-3-270m", "(plain decoding)", "smollm2-135m-instruct", "no-vocab"]
+    assert df["expected speedup"].iloc[1] == "1.00" and "slower than plain" in df["note"].iloc[2]
+    assert "cannot draft" in df["note"].iloc[3]
+    assert list(bars["drafter"]) == ["gemma-3-270m", "(plain decoding)", "smollm2-135m-instruct"]
+    assert pick["choices"] == ["gemma-3-270m", "smollm2-135m-instruct"] and pick["value"] == "gemma-3-270m"
+    assert "Ranked 3 drafter(s)" in message
+    _, _, _, bad = suggest_ui.rank_drafters(h, "no-such-model", "", lambda *a, **k: None)
+    assert bad.startswith("⚠") and "unknown target" in bad
+    buttons = {b.elem_id for b in build(pairs).blocks.values() if isinstance(b, gr.Button)}
+    assert {"rank-run", "rank-load"} <= buttons
