@@ -162,19 +162,19 @@ def real_pair(real_paths):
 def test_replay_acceptance_equals_generate_draft_tokens_1_on_the_real_pair(real_pair):
     """The acceptance `usd generate --algorithm tli --draft-tokens 1` measures, exactly, on code and chat prompts."""
     target, drafter = real_pair
-    prompts = [*suggest.PROMPT_SETS["code"][:3], *suggest.PROMPT_SETS["chat"][:2]]
+    prompts = [*suggest.PROMPT_SETS["code"][:2], suggest.PROMPT_SETS["chat"][0]]
     refs = suggest.references(target, prompts, 32)
     totals = {"tli": [0, 0, 0, 0], "slem": [0, 0, 0, 0]}
     for ref in refs:
         for algorithm in ("tli", "slem"):
             got = suggest.replay(target, drafter, ref, algorithm)
             accepted, drafted, ids = generate_counts(target, drafter, ref.prompt, algorithm, 32)
+            print(ref.prompt.id, algorithm, (got.accepted, got.drafted), (accepted, drafted), flush=True)
             assert ids == [t for t in ref.answer if t not in usd.Pair(target.model, target.tokenizer).eos_ids()]
             assert (got.accepted, got.drafted) == (accepted, drafted), (ref.prompt.id, algorithm)
             totals[algorithm] = [x + y for x, y in zip(totals[algorithm], (got.accepted, got.drafted, accepted,
                                                                             drafted), strict=True)]  # fmt: skip
-    assert totals["tli"][1] > 50 and 0 < totals["tli"][0] < totals["tli"][1]
-    print(totals)
+    assert totals["tli"][1] > 30 and 0 < totals["tli"][0] < totals["tli"][1]
 
 
 # --- the Pair tab -----------------------------------------------------------------------------------------------------
