@@ -6,15 +6,26 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from pathlib import Path
 
 from usd.settings import PRECISIONS
+
+CSS_PATH = Path(__file__).resolve().parent / "app.css"
+"""The app's style sheet, inside the package, so that an installed app has it too."""
 
 API_KEY_ENV = "USD_API_KEY"
 
 
-def create(target: str | None = None, drafter: str | None = None, space: bool | None = None,
-           device: str | None = None, precision: str | None = None, log=print, backend: str | None = None,
-           api_key: str | None = None):  # fmt: skip
+def create(
+    target: str | None = None,
+    drafter: str | None = None,
+    space: bool | None = None,
+    device: str | None = None,
+    precision: str | None = None,
+    log=print,
+    backend: str | None = None,
+    api_key: str | None = None,
+):
     """Load the pair and build the Blocks (not launched), with the /v1 routes on the same pair (added at launch).
     A pair that fails to load leaves the UI up, saying why. With `backend` (an OpenAI-compatible server's /v1 URL)
     the UI is a front end for that server instead: no local pair, no /v1 of its own."""
@@ -42,19 +53,18 @@ def create(target: str | None = None, drafter: str | None = None, space: bool | 
     try:
         pairs.load(target, drafter, log=log)
     except (ValueError, OSError, RuntimeError) as e:  # LoadError, SpaceModeError, StoreError: say so, keep going
-        log(f"usd-chat: could not load {target} + {drafter}: {e}\nThe UI starts without a pair; load one in its "
-            "Pair tab.")  # fmt: skip
+        log(
+            f"usd-chat: could not load {target} + {drafter}: {e}\nThe UI starts without a pair; load one in its "
+            "Pair tab."
+        )
     slots = Slots()
     demo = build(pairs, slots)
     demo.usd_v1 = AppService(pairs, slots=slots, api_key=api_key, wrap=gpu)  # launch() adds its routes
     return demo, pairs
 
 
-def launch(demo, host: str, port: int | None, share: bool = False, concurrency: int = 1, max_queue: int = 16,
-           **kwargs):  # fmt: skip
+def launch(demo, host: str, port: int | None, share: bool = False, concurrency: int = 1, max_queue: int = 16, **kwargs):
     from usd.serve.routes import create_router
-
-    from .ui import CSS_PATH
 
     demo.queue(default_concurrency_limit=concurrency, max_size=max_queue)
     service = getattr(demo, "usd_v1", None)
@@ -68,31 +78,53 @@ def launch(demo, host: str, port: int | None, share: bool = False, concurrency: 
 
 def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")  # no calls home from a local app
+
     parser = argparse.ArgumentParser(prog="usd-chat", description="usd-chat: lossless speculative decoding, any pair")
-    parser.add_argument("--host", default=os.environ.get("GRADIO_SERVER_NAME", "127.0.0.1"),
-                        help="address to listen on (default 127.0.0.1: this machine only)")
+    parser.add_argument(
+        "--host",
+        default=os.environ.get("GRADIO_SERVER_NAME", "127.0.0.1"),
+        help="address to listen on (default 127.0.0.1: this machine only)",
+    )
     parser.add_argument("--port", type=int, default=int(os.environ.get("GRADIO_SERVER_PORT", 7860)))
     parser.add_argument("--share", action="store_true", help="make a public Gradio link (off by default)")
     parser.add_argument("--target", help="target model (catalog name, local path or hub id); default: the catalog's")
     parser.add_argument("--drafter", help="drafter model; default: the catalog's")
     parser.add_argument("--device", choices=["cpu", "cuda"], help="default: cuda when available")
     parser.add_argument("--precision", choices=PRECISIONS, help="default: the catalog's choice for the device")
-    parser.add_argument("--space", action="store_true", default=None,
-                        help="Space mode: only the catalog models the Space serves (USD_CHAT_SPACE_MODELS), no local "
-                        "paths (also USD_CHAT_SPACE=1)")
+    parser.add_argument(
+        "--space",
+        action="store_true",
+        default=None,
+        help="Space mode: only the catalog models the Space serves (USD_CHAT_SPACE_MODELS), no local "
+        "paths (also USD_CHAT_SPACE=1)",
+    )
     parser.add_argument("--concurrency", type=int, default=1, help="generations running at once (default 1)")
     parser.add_argument("--max-queue", type=int, default=16, help="requests waiting at most; more are turned away")
-    parser.add_argument("--backend", metavar="URL", help="be a front end for this OpenAI-compatible server (its /v1 "
-                        "URL, e.g. http://127.0.0.1:8000/v1) instead of loading a pair")  # fmt: skip
-    parser.add_argument("--api-key", help=f"with --backend, the key sent to it; otherwise the key this app's /v1 "
-                        f"routes require (default: ${API_KEY_ENV}; unset: none)")  # fmt: skip
+    parser.add_argument(
+        "--backend",
+        metavar="URL",
+        help="be a front end for this OpenAI-compatible server (its /v1 "
+        "URL, e.g. http://127.0.0.1:8000/v1) instead of loading a pair",
+    )
+    parser.add_argument(
+        "--api-key",
+        help=f"with --backend, the key sent to it; otherwise the key this app's /v1 "
+        f"routes require (default: ${API_KEY_ENV}; unset: none)",
+    )
     args = parser.parse_args(argv)
 
     from .space import SpaceModelsError
 
     try:
-        demo, _ = create(args.target, args.drafter, args.space, args.device, args.precision, backend=args.backend,
-                         api_key=args.api_key)  # fmt: skip
+        demo, _ = create(
+            args.target,
+            args.drafter,
+            args.space,
+            args.device,
+            args.precision,
+            backend=args.backend,
+            api_key=args.api_key,
+        )
     except SpaceModelsError as e:  # the deployer's list of served models is wrong: say which name, exit
         parser.error(str(e))
     launch(demo, args.host, args.port, args.share, args.concurrency, args.max_queue)

@@ -13,20 +13,6 @@ from usd.store import local_path
 
 from .space import space_models
 
-# Text the alpha ceiling is measured on: code and prose, what this app's users paste. TLI can only draft tokens of
-# the shared vocabulary, so where the target's own tokenization of typical text steps outside it, a draft must fail.
-CEILING_SAMPLE = '''def fibonacci(n: int) -> list[int]:
-    """Return the first n Fibonacci numbers."""
-    seq = [0, 1]
-    while len(seq) < n:
-        seq.append(seq[-1] + seq[-2])
-    return seq[:n]
-
-Speculative decoding lets a small model propose several tokens that the large model then checks in one pass.
-When the proposals are right, the answer arrives faster; when they are wrong, nothing is lost but a little time.
-{"name": "Ada", "languages": ["en", "fr"], "score": 0.97}
-'''
-
 
 class SpaceModeError(LoadError):
     """Space mode allows only the catalog models the Space serves."""
@@ -39,8 +25,9 @@ class Choice:
 
 
 class Pairs:
-    def __init__(self, catalog: Catalog, space_mode: bool = False, device: str | None = None,
-                 precision: str | None = None):  # fmt: skip
+    def __init__(
+        self, catalog: Catalog, space_mode: bool = False, device: str | None = None, precision: str | None = None
+    ):
         self.catalog = catalog
         self.space_mode = space_mode
         self.allowed = space_models(catalog) if space_mode else catalog.names()
@@ -66,8 +53,9 @@ class Pairs:
             entry = entry_for(spec, self.catalog, allow_unlisted=not self.space_mode)
         except LoadError as e:
             if self.space_mode:
-                raise SpaceModeError(f"unknown {role} {spec!r}: this Space serves only its catalog models "
-                                     f"({served})") from None  # fmt: skip
+                raise SpaceModeError(
+                    f"unknown {role} {spec!r}: this Space serves only its catalog models ({served})"
+                ) from None
             raise LoadError(f"unknown {role}: {e}") from None
         if self.space_mode and entry.name not in self.allowed:  # refused before anything is fetched
             raise SpaceModeError(f"{role} {spec!r} is not served by this Space; it serves only {served}")
@@ -85,8 +73,10 @@ class Pairs:
             plan = plan_load(e, self.device, self.precision)
             total += plan.estimate_bytes
             ready = "ready" if local_path(e) is not None else "will be fetched on load"
-            lines.append(f"- **{role}** `{e.name}`: {plan.precision} on {plan.device}, about "
-                         f"{plan.estimate_bytes / GiB:.2f} GiB ({ready}). {plan.note}")  # fmt: skip
+            lines.append(
+                f"- **{role}** `{e.name}`: {plan.precision} on {plan.device}, about "
+                f"{plan.estimate_bytes / GiB:.2f} GiB ({ready}). {plan.note}"
+            )
         avail = plan.available_bytes
         room = f" of {avail / GiB:.1f} GiB free" if avail is not None else ""
         lines.append(f"- **memory**: about {total / GiB:.2f} GiB for both{room}.")
@@ -113,10 +103,12 @@ class Pairs:
         o = self._overlaps[(t.name, d.name)]
         if o["same_tokenizer"]:
             return "- **vocabulary**: identical tokenizers, so `standard` speculative decoding applies (ceiling 100%)."
-        return (f"- **vocabulary**: {o['shared']:,} shared tokens ({o['shared_pct_target']:.1f}% of the target's "
-                f"{o['target_vocab']:,}, {o['shared_pct_drafter']:.1f}% of the drafter's {o['drafter_vocab']:,}). "
-                f"**Alpha ceiling for tli: {o['alpha_ceiling']:.0%}**: the share of the target's tokens, on sample "
-                f"code and prose, that the drafter can spell at all; `slem` drafts free text and is not bound by it.")
+        return (
+            f"- **vocabulary**: {o['shared']:,} shared tokens ({o['shared_pct_target']:.1f}% of the target's "
+            f"{o['target_vocab']:,}, {o['shared_pct_drafter']:.1f}% of the drafter's {o['drafter_vocab']:,}). "
+            f"**Alpha ceiling for tli: {o['alpha_ceiling_tli']:.0%}**: the share of the target's tokens, on sample "
+            f"code and prose, that the drafter can spell at all; `slem` drafts free text and is not bound by it."
+        )
 
     # --- loading -----------------------------------------------------------------------------------------------
 
@@ -129,8 +121,14 @@ class Pairs:
             choice = Choice(t.name, d.name)
             if self.pair is not None and self.loaded == choice:
                 return self.pair
-            new = api.load_pair(target.strip(), drafter.strip(), catalog=self.catalog, device=self.device,
-                                precision=self.precision, log=log)  # fmt: skip
+            new = api.load_pair(
+                target.strip(),
+                drafter.strip(),
+                catalog=self.catalog,
+                device=self.device,
+                precision=self.precision,
+                log=log,
+            )
             # Dropping the last reference frees the old models; a generation still running on them keeps its own
             # reference, finishes, and then lets go.
             self.pair, self.loaded = new, choice
@@ -161,12 +159,9 @@ def _free_memory() -> None:
 
 
 def overlap_numbers(target_tokenizer, drafter_tokenizer) -> dict:
-    from usd.vocab import align, overlap_report, same_vocabulary
+    """`usd overlap`'s numbers, alpha ceiling included, and whether the two tokenizers are one."""
+    from usd.vocab import overlap_report, same_vocabulary
 
-    overlap = align(target_tokenizer, drafter_tokenizer)
-    report = overlap_report(target_tokenizer, drafter_tokenizer, overlap=overlap)
-    shared_targets = set(overlap.drafter_to_target.values())
-    ids = target_tokenizer.encode(CEILING_SAMPLE, add_special_tokens=False)
-    report["alpha_ceiling"] = sum(i in shared_targets for i in ids) / len(ids)
+    report = overlap_report(target_tokenizer, drafter_tokenizer)
     report["same_tokenizer"] = same_vocabulary(target_tokenizer, drafter_tokenizer)
     return report

@@ -89,8 +89,10 @@ class RemotePairs:
         return self.pair
 
     def preview(self, target: str, drafter: str) -> str:
-        return (f"Served by `{self.url}`: the server loads its models and decides each one's drafter "
-                f"(`{target}` runs with `{self.models.get(target, {}).get('drafter') or 'its own'}`).")  # fmt: skip
+        return (
+            f"Served by `{self.url}`: the server loads its models and decides each one's drafter "
+            f"(`{target}` runs with `{self.models.get(target, {}).get('drafter') or 'its own'}`)."
+        )
 
     def describe(self) -> str:
         if self.loaded is None:
@@ -108,8 +110,15 @@ def _message(e) -> str:
     return str(getattr(e, "message", e))
 
 
-def stream(model: RemoteModel, prompt: str | None = None, *, messages: list[dict] | None = None,
-           chat_mode: bool = False, settings: GenerationSettings, cancel=None):  # fmt: skip
+def stream(
+    model: RemoteModel,
+    prompt: str | None = None,
+    *,
+    messages: list[dict] | None = None,
+    chat_mode: bool = False,
+    settings: GenerationSettings,
+    cancel=None,
+):
     """`usd.stream`'s events, from the server. Settings the server cannot be told are refused, not ignored."""
     import openai
 
@@ -120,13 +129,23 @@ def stream(model: RemoteModel, prompt: str | None = None, *, messages: list[dict
     if model.usd:
         extra["speculative"] = {"algorithm": s.algorithm, "draft_tokens": s.draft_tokens, "pieces": True}
     elif s.algorithm != "auto" or s.draft_tokens != "auto":
-        raise ValueError("this backend decides how it speculates: algorithm and draft tokens (and Compare, which "
-                         "runs algorithm none) apply to a `usd serve` backend only; use auto")  # fmt: skip
+        raise ValueError(
+            "this backend decides how it speculates: algorithm and draft tokens (and Compare, which "
+            "runs algorithm none) apply to a `usd serve` backend only; use auto"
+        )
     if s.top_k:
         extra["top_k"] = s.top_k  # usd serve and vLLM take it; a server that does not will say so
-    args = {"model": model.model, "stream": True, "stream_options": {"include_usage": True},
-            "max_tokens": s.max_new_tokens, "temperature": s.temperature, "top_p": s.top_p, "seed": s.seed,
-            "stop": list(s.stop_strings) or None, "extra_body": extra or None}  # fmt: skip
+    args = {
+        "model": model.model,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "max_tokens": s.max_new_tokens,
+        "temperature": s.temperature,
+        "top_p": s.top_p,
+        "seed": s.seed,
+        "stop": list(s.stop_strings) or None,
+        "extra_body": extra or None,
+    }
     started = time.perf_counter()
     live = _Remote(started)
     try:
@@ -181,33 +200,76 @@ class _Remote:
             self.stop_reason = (self.spec or {}).get("stop_reason") or ("max_tokens" if reason == "length" else "eos")
         if isinstance(spec, dict) and "pieces" in spec:
             self.rounds = int(spec.get("round", self.rounds + 1))
-            pieces = tuple(Piece(text=p["text"], kind=p["kind"], target_id=p.get("target_id"), round=p["round"],
-                                 drafter_ids=tuple(p.get("drafter_ids") or ())) for p in spec["pieces"])  # fmt: skip
+            pieces = tuple(
+                Piece(
+                    text=p["text"],
+                    kind=p["kind"],
+                    target_id=p.get("target_id"),
+                    round=p["round"],
+                    drafter_ids=tuple(p.get("drafter_ids") or ()),
+                )
+                for p in spec["pieces"]
+            )
             drafted = sum(p.kind in ("accepted", "rejected") for p in pieces)
             accepted = sum(p.kind == "accepted" for p in pieces)
-            return Round(index=self.rounds, k=int(spec.get("k") or 0), pieces=pieces, drafted=drafted,
-                         accepted=accepted, draft_s=0.0, verify_s=0.0, other_s=0.0, stats=self.stats(),
-                         expected_speedup=spec.get("expected_speedup"))  # fmt: skip
+            return Round(
+                index=self.rounds,
+                k=int(spec.get("k") or 0),
+                pieces=pieces,
+                drafted=drafted,
+                accepted=accepted,
+                draft_s=0.0,
+                verify_s=0.0,
+                other_s=0.0,
+                stats=self.stats(),
+                expected_speedup=spec.get("expected_speedup"),
+            )
         if not text:
             return None
         self.rounds += 1
         piece = Piece(text=text, kind="target", target_id=None, round=self.rounds)
-        return Round(index=self.rounds, k=0, pieces=(piece,), drafted=0, accepted=0, draft_s=0.0, verify_s=0.0,
-                     other_s=0.0, stats=self.stats())  # fmt: skip
+        return Round(
+            index=self.rounds,
+            k=0,
+            pieces=(piece,),
+            drafted=0,
+            accepted=0,
+            draft_s=0.0,
+            verify_s=0.0,
+            other_s=0.0,
+            stats=self.stats(),
+        )
 
     def stats(self) -> Stats:
         if self.spec:  # usd serve: the engine's own numbers
             s = self.spec
-            return Stats(algorithm=s.get("algorithm", "auto"), rounds=s.get("rounds", 0),
-                         drafted=s.get("num_draft_tokens", 0), accepted=s.get("num_accepted_draft_tokens", 0),
-                         tokens=s.get("tokens", 0), wall_s=s.get("wall_s", 0.0),
-                         stop_reason=self.stop_reason if self.stop_reason == "cancelled" else s.get("stop_reason"),
-                         c=s.get("c"), v=s.get("v"), mean_k=s.get("mean_k") or 0.0,
-                         rounds_by_algorithm=s.get("rounds_by_algorithm") or {}, forward_s=s.get("forward_s") or 0.0,
-                         drafting_stopped=s.get("drafting_stopped"), step_s=s.get("step_s"))  # fmt: skip
+            return Stats(
+                algorithm=s.get("algorithm", "auto"),
+                rounds=s.get("rounds", 0),
+                drafted=s.get("num_draft_tokens", 0),
+                accepted=s.get("num_accepted_draft_tokens", 0),
+                tokens=s.get("tokens", 0),
+                wall_s=s.get("wall_s", 0.0),
+                stop_reason=self.stop_reason if self.stop_reason == "cancelled" else s.get("stop_reason"),
+                c=s.get("c"),
+                v=s.get("v"),
+                mean_k=s.get("mean_k") or 0.0,
+                rounds_by_algorithm=s.get("rounds_by_algorithm") or {},
+                forward_s=s.get("forward_s") or 0.0,
+                drafting_stopped=s.get("drafting_stopped"),
+                step_s=s.get("step_s"),
+            )
         tokens = self.tokens if self.tokens is not None else self.rounds
         v = self.vllm or {}
-        return Stats(algorithm="server", rounds=v.get("num_spec_steps") or self.rounds,
-                     drafted=v.get("num_draft_tokens", 0), accepted=v.get("num_accepted_draft_tokens", 0),
-                     tokens=tokens, wall_s=time.perf_counter() - self.started, stop_reason=self.stop_reason,
-                     c=None, v=None, mean_k=v.get("num_spec_tokens") or 0.0)  # fmt: skip
+        return Stats(
+            algorithm="server",
+            rounds=v.get("num_spec_steps") or self.rounds,
+            drafted=v.get("num_draft_tokens", 0),
+            accepted=v.get("num_accepted_draft_tokens", 0),
+            tokens=tokens,
+            wall_s=time.perf_counter() - self.started,
+            stop_reason=self.stop_reason,
+            c=None,
+            v=None,
+            mean_k=v.get("num_spec_tokens") or 0.0,
+        )

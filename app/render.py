@@ -36,8 +36,10 @@ def piece_span(piece: Piece) -> str:
     # The token view keeps white space (CSS pre-wrap); a token that is only spaces gets a class that shades it, so
     # it can still be seen and hovered.
     blank = " tok-blank" if piece.text and not piece.text.strip() else ""
-    return (f'<{tag} class="tok tok-{piece.kind}{blank}" data-kind="{piece.kind}" data-round="{piece.round}" '
-            f'title="{html.escape(piece_title(piece), quote=True)}">{html.escape(piece.text)}</{tag}>')  # fmt: skip
+    return (
+        f'<{tag} class="tok tok-{piece.kind}{blank}" data-kind="{piece.kind}" data-round="{piece.round}" '
+        f'title="{html.escape(piece_title(piece), quote=True)}">{html.escape(piece.text)}</{tag}>'
+    )
 
 
 def pieces_html(pieces: list[Piece] | tuple[Piece, ...]) -> str:
@@ -47,16 +49,16 @@ def pieces_html(pieces: list[Piece] | tuple[Piece, ...]) -> str:
 
 
 def legend_html() -> str:
-    items = "".join(
-        f'<span class="tok tok-{k}" title="{KIND_LABELS[k]}">{k}</span>' for k in KINDS
-    )
+    items = "".join(f'<span class="tok tok-{k}" title="{KIND_LABELS[k]}">{k}</span>' for k in KINDS)
     return f'<div class="legend">{items}<span class="legend-hint">hover a token for its round and ids</span></div>'
 
 
 def piece_dicts(pieces) -> list[dict]:
     """The API's form of the pieces: {text, kind, round} (plus the ids, for whoever wants them)."""
-    return [{"text": p.text, "kind": p.kind, "round": p.round, "target_id": p.target_id,
-             "drafter_ids": list(p.drafter_ids)} for p in pieces]  # fmt: skip
+    return [
+        {"text": p.text, "kind": p.kind, "round": p.round, "target_id": p.target_id, "drafter_ids": list(p.drafter_ids)}
+        for p in pieces
+    ]
 
 
 @dataclass
@@ -98,15 +100,40 @@ class Live:
         """tokens/s, alpha, tau, k, c, v, theoretical speedup and (when a baseline is known) measured speedup."""
         s = self.stats
         if s is None:
-            return {"tokens_per_s": 0.0, "acceptance_rate": None, "tokens_per_round": 0.0, "k": self.k, "mean_k": None,
-                    "c": None, "v": None, "theoretical_speedup": None, "tokens": 0, "rounds": 0,
-                    "wall_s": self.elapsed, "stop_reason": None, "measured_speedup": None,
-                    "speedup_basis": None, "expected_speedup": None}  # fmt: skip
-        out = {"tokens_per_s": s.tokens_per_s, "acceptance_rate": s.acceptance_rate if s.drafted else None,
-               "tokens_per_round": s.tokens_per_round, "k": self.k, "mean_k": s.mean_k, "c": s.c, "v": s.v,
-               "theoretical_speedup": s.theoretical_speedup, "tokens": s.tokens, "rounds": s.rounds,
-               "wall_s": s.wall_s, "stop_reason": s.stop_reason, "measured_speedup": None,
-               "speedup_basis": None, "expected_speedup": self.expected_speedup}  # fmt: skip
+            return {
+                "tokens_per_s": 0.0,
+                "acceptance_rate": None,
+                "tokens_per_round": 0.0,
+                "k": self.k,
+                "mean_k": None,
+                "c": None,
+                "v": None,
+                "theoretical_speedup": None,
+                "tokens": 0,
+                "rounds": 0,
+                "wall_s": self.elapsed,
+                "stop_reason": None,
+                "measured_speedup": None,
+                "speedup_basis": None,
+                "expected_speedup": None,
+            }
+        out = {
+            "tokens_per_s": s.tokens_per_s,
+            "acceptance_rate": s.acceptance_rate if s.drafted else None,
+            "tokens_per_round": s.tokens_per_round,
+            "k": self.k,
+            "mean_k": s.mean_k,
+            "c": s.c,
+            "v": s.v,
+            "theoretical_speedup": s.theoretical_speedup,
+            "tokens": s.tokens,
+            "rounds": s.rounds,
+            "wall_s": s.wall_s,
+            "stop_reason": s.stop_reason,
+            "measured_speedup": None,
+            "speedup_basis": None,
+            "expected_speedup": self.expected_speedup,
+        }
         plain_rounds = s.rounds_by_algorithm.get("none", 0)
         if self.baseline_tokens_per_s and s.tokens_per_s:
             out["measured_speedup"] = s.tokens_per_s / self.baseline_tokens_per_s
@@ -129,13 +156,20 @@ def warning_text(n: dict, algorithm: str) -> str | None:
         return None
     why = ""
     if n.get("c") is not None:
-        why = (f" Each drafted token costs {n['c']:.2f} of a target step and only "
-               f"{_fmt(n.get('acceptance_rate'), '.0%')} of drafts are kept.")  # fmt: skip
-    advice = ("auto falls back to plain decoding when it measures this; "
-              if algorithm != "auto" else "auto is still measuring and will fall back to plain decoding; ")
-    return (f"Speculation is slowing this pair down on this hardware: {speedup:.2f}x the speed of the target alone."
-            f"{why} The drafter is too slow relative to the target here (typical on a CPU, or with a small target): "
-            f"{advice}a GPU, a bigger target or a smaller drafter changes the balance.")  # fmt: skip
+        why = (
+            f" Each drafted token costs {n['c']:.2f} of a target step and only "
+            f"{_fmt(n.get('acceptance_rate'), '.0%')} of drafts are kept."
+        )
+    advice = (
+        "auto falls back to plain decoding when it measures this; "
+        if algorithm != "auto"
+        else "auto is still measuring and will fall back to plain decoding; "
+    )
+    return (
+        f"Speculation is slowing this pair down on this hardware: {speedup:.2f}x the speed of the target alone."
+        f"{why} The drafter is too slow relative to the target here (typical on a CPU, or with a small target): "
+        f"{advice}a GPU, a bigger target or a smaller drafter changes the balance."
+    )
 
 
 def stats_html(n: dict, algorithm: str) -> str:
@@ -148,10 +182,13 @@ def stats_html(n: dict, algorithm: str) -> str:
         ("verify cost v", _fmt(n.get("v"), ".2f")),
         ("theoretical speedup", _fmt(n.get("theoretical_speedup"), ".2f", "x")),
         ("expected speedup at this k", _fmt(n.get("expected_speedup"), ".2f", "x")),
-        ("measured speedup", _fmt(n.get("measured_speedup"), ".2f", "x")
-         + (f" <small>({n['speedup_basis']})</small>" if n.get("speedup_basis") else "")),
+        (
+            "measured speedup",
+            _fmt(n.get("measured_speedup"), ".2f", "x")
+            + (f" <small>({n['speedup_basis']})</small>" if n.get("speedup_basis") else ""),
+        ),
         ("tokens · rounds · seconds", f"{n.get('tokens', 0)} · {n.get('rounds', 0)} · {_fmt(n.get('wall_s'), '.1f')}"),
-    ]  # fmt: skip
+    ]
     body = "".join(f'<tr><th>{k}</th><td data-stat="{k}">{v}</td></tr>' for k, v in rows)
     warn = warning_text(n, algorithm)
     warn_html = f'<div class="slow-warning">⚠ {html.escape(warn)}</div>' if warn else ""
@@ -214,10 +251,14 @@ def summary_html(s: dict) -> str:
             same += ": greedy outputs must be identical"
             cls = "differ"
     else:
-        same = (f"outputs differ from token {s['first_difference']}: expected when sampling with an algorithm whose "
-                "draws depend on where rounds are cut (tli, standard); both follow the target's distribution")
+        same = (
+            f"outputs differ from token {s['first_difference']}: expected when sampling with an algorithm whose "
+            "draws depend on where rounds are cut (tli, standard); both follow the target's distribution"
+        )
         cls = "differ-ok"
-    return (f'<div class="compare-summary"><b>plain {s["plain_s"]:.2f} s</b> ({s["plain_tokens_per_s"]:.1f} tok/s) · '
-            f'<b>speculative {s["speculative_s"]:.2f} s</b> ({s["speculative_tokens_per_s"]:.1f} tok/s, '
-            f'{s["algorithm"]}, α {s["acceptance_rate"]:.0%}) · <b>speedup {speed or 0:.2f}x</b> ({verdict})'
-            f'<div class="compare-{cls}">{same}</div><small>Run {s["order"]}.</small></div>')  # fmt: skip
+    return (
+        f'<div class="compare-summary"><b>plain {s["plain_s"]:.2f} s</b> ({s["plain_tokens_per_s"]:.1f} tok/s) · '
+        f"<b>speculative {s['speculative_s']:.2f} s</b> ({s['speculative_tokens_per_s']:.1f} tok/s, "
+        f"{s['algorithm']}, α {s['acceptance_rate']:.0%}) · <b>speedup {speed or 0:.2f}x</b> ({verdict})"
+        f'<div class="compare-{cls}">{same}</div><small>Run {s["order"]}.</small></div>'
+    )

@@ -32,8 +32,10 @@ def space_models(catalog: Catalog) -> list[str]:
     listed = [name.strip() for name in os.environ.get(SPACE_MODELS_ENV, "").split(",") if name.strip()]
     for name in listed:
         if name not in catalog:
-            raise SpaceModelsError(f"{SPACE_MODELS_ENV} names {name!r}, which is not in the catalog: list catalog "
-                                   "names, separated by commas (`usd models` shows them)")  # fmt: skip
+            raise SpaceModelsError(
+                f"{SPACE_MODELS_ENV} names {name!r}, which is not in the catalog: list catalog "
+                "names, separated by commas (`usd models` shows them)"
+            )
     if not listed:
         listed = [entry.name for entry in catalog.models if local_path(entry) is not None]
     served = {catalog.default.target, catalog.default.drafter, *listed}

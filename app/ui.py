@@ -12,7 +12,6 @@ import queue
 import random
 import threading
 from collections.abc import Iterator
-from pathlib import Path
 from types import SimpleNamespace
 
 import gradio as gr
@@ -32,7 +31,6 @@ from .suggest_ui import rank_section
 DRAFT_CHOICES = ["auto"] + [str(k) for k in range(1, DRAFT_TOKENS_MAX + 1)]
 DEFAULT = GenerationSettings()
 """The settings' defaults, for the widgets and the API endpoints' signatures."""
-CSS_PATH = Path(__file__).resolve().parent.parent / "assets" / "app.css"
 STOPPED = " [stopped]"
 """Marks an answer cut short by Stop in the chat; taken off again before the chat goes back to the models."""
 MODELS = "models"
@@ -49,8 +47,15 @@ def settings(algorithm, draft_tokens, temperature, top_p, top_k, seed, max_new_t
     """Check the UI's (or an API caller's) settings, which may be any text or JSON; a problem becomes InputError
     with the settings model's message, which says what to change."""
     try:
-        return GenerationSettings(algorithm=algorithm, draft_tokens=draft_tokens, temperature=temperature,
-                                  top_p=top_p, top_k=top_k, seed=seed, max_new_tokens=max_new_tokens)  # fmt: skip
+        return GenerationSettings(
+            algorithm=algorithm,
+            draft_tokens=draft_tokens,
+            temperature=temperature,
+            top_p=top_p,
+            top_k=top_k,
+            seed=seed,
+            max_new_tokens=max_new_tokens,
+        )
     except ValueError as e:
         raise InputError(str(e)) from None
 
@@ -181,8 +186,11 @@ def shown_to_user(handler):
 def views(live: render.Live):
     """The chat tab's token view, stats and chart for a generation so far."""
     n = live.numbers()
-    return (render.pieces_html(live.pieces), render.stats_html(n, live.algorithm),
-            pd.DataFrame(live.chart) if live.chart else EMPTY_CHART)  # fmt: skip
+    return (
+        render.pieces_html(live.pieces),
+        render.stats_html(n, live.algorithm),
+        pd.DataFrame(live.chart) if live.chart else EMPTY_CHART,
+    )
 
 
 def column(live: render.Live | None, label: str) -> tuple[str, str]:
@@ -191,19 +199,22 @@ def column(live: render.Live | None, label: str) -> tuple[str, str]:
         return "", f"**{label}**: waiting (runs second)"
     n = live.numbers()
     state = "done" if live.finished else "running"
-    return (render.pieces_html(live.pieces),
-            f"**{label}**: {n['wall_s']:.2f} s · {n['tokens']} tokens · {n['tokens_per_s']:.1f} tok/s ({state})")
+    return (
+        render.pieces_html(live.pieces),
+        f"**{label}**: {n['wall_s']:.2f} s · {n['tokens']} tokens · {n['tokens_per_s']:.1f} tok/s ({state})",
+    )
 
 
 class Handlers:
     """What the app's events and API endpoints run, on the one loaded pair (`Pairs`) and each session's Stop."""
 
-    def __init__(self, pairs: Pairs, slots: Slots | None = None, stream=api.stream):
+    def __init__(self, pairs: Pairs, slots: Slots | None = None, stream=None):
         self.pairs = pairs
         self.cancels = Cancels()
         self.slots = slots
         """Shared with the app's /v1 routes: generations run at once across the UI and /v1, counted together."""
-        self.stream = stream
+        self.remote = stream is not None
+        self.stream = stream or api.stream
         """`usd.stream`, or the remote backend's stream of the same events (`app.remote`)."""
 
     # --- shared ----------------------------------------------------------------------------------------------------
@@ -230,8 +241,9 @@ class Handlers:
         except Exception as e:  # whatever a broken model directory throws: the reason, and the old pair stays
             raise LoadError(f"could not load {t} + {d}: {type(e).__name__}: {e}") from None
 
-    def run(self, s: GenerationSettings, prompt=None, *, messages=None, chat_mode=False,
-            cancel=None) -> Iterator[render.Live]:  # fmt: skip
+    def run(
+        self, s: GenerationSettings, prompt=None, *, messages=None, chat_mode=False, cancel=None
+    ) -> Iterator[render.Live]:
         """Stream one generation on the loaded pair as a growing `Live`; engine input errors become InputError."""
         pair, key = self.pairs.current(), self.pairs.key()
         live = render.Live(s.algorithm, baseline_tokens_per_s=self.pairs.baselines.get(key))
@@ -240,8 +252,10 @@ class Handlers:
         with hold as running:
             if not running:  # stopped while waiting for a slot
                 return
-            events = in_background(lambda: self.stream(pair, prompt, messages=messages, chat_mode=chat_mode,
-                                                       settings=s, cancel=cancel), cancel)  # fmt: skip
+            events = in_background(
+                lambda: self.stream(pair, prompt, messages=messages, chat_mode=chat_mode, settings=s, cancel=cancel),
+                cancel,
+            )
             try:
                 for batch in events:
                     for event in batch:
@@ -256,8 +270,19 @@ class Handlers:
     # --- chat ------------------------------------------------------------------------------------------------------
 
     @shown_to_user
-    def chat_send(self, message, history, algorithm, draft_tokens, temperature, top_p, top_k, seed, max_new_tokens,
-                  request: gr.Request):  # fmt: skip
+    def chat_send(
+        self,
+        message,
+        history,
+        algorithm,
+        draft_tokens,
+        temperature,
+        top_p,
+        top_k,
+        seed,
+        max_new_tokens,
+        request: gr.Request,
+    ):
         history = list(history or [])
         prompt, s = self.checked(message, (algorithm, draft_tokens, temperature, top_p, top_k, seed, max_new_tokens))
         messages = [{"role": m["role"], "content": _text(m["content"]).removesuffix(STOPPED)} for m in history]
@@ -296,7 +321,7 @@ class Handlers:
     def _divergence(self, prompt, plain, spec, greedy: bool):
         """At a greedy difference, ask the target whether its two best tokens were a near-tie there (rounding)."""
         first = render.first_difference(plain.finished.target_ids, spec.finished.target_ids)
-        if not greedy or first is None or self.stream is not api.stream:  # a remote backend sends no ids
+        if not greedy or first is None or self.remote:  # a remote backend sends no ids to ask the target about
             return None
         return api.divergence(self.pairs.current(), plain.finished.target_ids, first, prompt, chat_mode=True)
 
@@ -304,16 +329,28 @@ class Handlers:
     def compare_ui(self, prompt, algorithm, draft_tokens, temperature, top_p, top_k, seed, max_new_tokens):
         prompt, s = self.checked(prompt, (algorithm, draft_tokens, temperature, top_p, top_k, seed, max_new_tokens))
         for plain, spec, summary in self.compare_stream(prompt, s):
-            yield (*column(plain, "plain target"), *column(spec, f"speculative ({s.algorithm})"),
-                   render.summary_html(summary) if summary else "")  # fmt: skip
+            yield (
+                *column(plain, "plain target"),
+                *column(spec, f"speculative ({s.algorithm})"),
+                render.summary_html(summary) if summary else "",
+            )
 
     # --- API (named endpoints for gradio_client) -------------------------------------------------------------------
 
     @shown_to_user
-    def generate(self, prompt: str, target: str = "", drafter: str = "", algorithm: str = DEFAULT.algorithm,
-                 draft_tokens: str = DEFAULT.draft_tokens, temperature: float = DEFAULT.temperature,
-                 top_p: float = DEFAULT.top_p, top_k: int = DEFAULT.top_k, seed: int | None = DEFAULT.seed,
-                 max_new_tokens: int = DEFAULT.max_new_tokens) -> Iterator[tuple[str, list, dict]]:  # fmt: skip
+    def generate(
+        self,
+        prompt: str,
+        target: str = "",
+        drafter: str = "",
+        algorithm: str = DEFAULT.algorithm,
+        draft_tokens: str = DEFAULT.draft_tokens,
+        temperature: float = DEFAULT.temperature,
+        top_p: float = DEFAULT.top_p,
+        top_k: int = DEFAULT.top_k,
+        seed: int | None = DEFAULT.seed,
+        max_new_tokens: int = DEFAULT.max_new_tokens,
+    ) -> Iterator[tuple[str, list, dict]]:
         """Chat with the loaded pair (or the named one): streams (text, pieces, stats) after every round.
         `pieces` is a list of {text, kind, round}; `stats` holds acceptance_rate, tokens_per_round, tokens_per_s,
         wall_s and more. Empty target/drafter: the loaded pair."""
@@ -326,10 +363,19 @@ class Handlers:
             yield render.answer_text(live), render.piece_dicts(live.pieces), stats
 
     @shown_to_user
-    def compare(self, prompt: str, target: str = "", drafter: str = "", algorithm: str = DEFAULT.algorithm,
-                draft_tokens: str = DEFAULT.draft_tokens, temperature: float = DEFAULT.temperature,
-                top_p: float = DEFAULT.top_p, top_k: int = DEFAULT.top_k, seed: int | None = DEFAULT.seed,
-                max_new_tokens: int = DEFAULT.max_new_tokens) -> tuple[str, str, dict]:  # fmt: skip
+    def compare(
+        self,
+        prompt: str,
+        target: str = "",
+        drafter: str = "",
+        algorithm: str = DEFAULT.algorithm,
+        draft_tokens: str = DEFAULT.draft_tokens,
+        temperature: float = DEFAULT.temperature,
+        top_p: float = DEFAULT.top_p,
+        top_k: int = DEFAULT.top_k,
+        seed: int | None = DEFAULT.seed,
+        max_new_tokens: int = DEFAULT.max_new_tokens,
+    ) -> tuple[str, str, dict]:
         """Plain target decoding, then speculative decoding, same prompt and seed. Returns (plain_text,
         speculative_text, summary) with summary holding identical, plain_s, speculative_s, speedup."""
         knobs = (algorithm, draft_tokens, temperature, top_p, top_k, seed, max_new_tokens)
@@ -364,8 +410,10 @@ class Handlers:
 def build(pairs: Pairs, slots: Slots | None = None, stream=api.stream) -> gr.Blocks:
     h = Handlers(pairs, slots, stream)
     with gr.Blocks(title="usd-chat") as demo:
-        gr.Markdown("# usd-chat · universal speculative decoding\nThe drafter proposes, the target verifies: the "
-                    "answer is exactly the target's own, with every drafted token shown kept or thrown away.")
+        gr.Markdown(
+            "# usd-chat · universal speculative decoding\nThe drafter proposes, the target verifies: the "
+            "answer is exactly the target's own, with every drafted token shown kept or thrown away."
+        )
         header = gr.Markdown(pairs.describe(), elem_id="pair-header")
         chat = _chat_tab()
         compare = _compare_tab()
@@ -373,14 +421,29 @@ def build(pairs: Pairs, slots: Slots | None = None, stream=api.stream) -> gr.Blo
         knobs = _settings_panel()
         # Every event that runs the models shares one concurrency group: the queue's limit counts them together.
         for trigger in (chat.send.click, chat.box.submit):
-            trigger(gpu(h.chat_send), [chat.box, chat.chatbot, *knobs], chat.outputs, api_visibility="private",
-                    concurrency_id=MODELS)  # fmt: skip
+            trigger(
+                gpu(h.chat_send),
+                [chat.box, chat.chatbot, *knobs],
+                chat.outputs,
+                api_visibility="private",
+                concurrency_id=MODELS,
+            )
         chat.stop.click(h.chat_stop, None, None, concurrency_limit=None, api_visibility="private")
-        chat.clear.click(lambda: ([], "", render.pieces_html([]), render.stats_html({}, "auto"), EMPTY_CHART),
-                         None, chat.outputs, api_visibility="private", concurrency_limit=None)  # fmt: skip
+        chat.clear.click(
+            lambda: ([], "", render.pieces_html([]), render.stats_html({}, "auto"), EMPTY_CHART),
+            None,
+            chat.outputs,
+            api_visibility="private",
+            concurrency_limit=None,
+        )
 
-        compare.run.click(gpu(h.compare_ui), [compare.prompt, *knobs], compare.outputs, api_visibility="private",
-                          concurrency_id=MODELS)  # fmt: skip
+        compare.run.click(
+            gpu(h.compare_ui),
+            [compare.prompt, *knobs],
+            compare.outputs,
+            api_visibility="private",
+            concurrency_id=MODELS,
+        )
         demo.load(pairs.describe, None, header, api_visibility="private", concurrency_limit=None)
 
         gr.api(gpu(h.generate), api_name="generate", concurrency_id=MODELS)
@@ -392,8 +455,9 @@ def _chat_tab() -> SimpleNamespace:
     with gr.Tab("Chat", id="chat"), gr.Row():
         with gr.Column(scale=3):
             chatbot = gr.Chatbot(label="Chat", height=420, elem_id="chatbot")
-            box = gr.Textbox(label="Message", placeholder="Ask something, then press Enter or Send",
-                             lines=2, elem_id="message")  # fmt: skip
+            box = gr.Textbox(
+                label="Message", placeholder="Ask something, then press Enter or Send", lines=2, elem_id="message"
+            )
             with gr.Row():
                 send = gr.Button("Send", variant="primary", elem_id="send")
                 stop = gr.Button("Stop", variant="stop", elem_id="stop")
@@ -402,16 +466,26 @@ def _chat_tab() -> SimpleNamespace:
             gr.HTML(render.legend_html())
             tokens = gr.HTML(render.pieces_html([]), label="Tokens", elem_id="tokens")
             stats = gr.HTML(render.stats_html({}, "auto"), elem_id="stats")
-            chart = gr.LinePlot(EMPTY_CHART, x="round", y="tokens", color="series", height=180,
-                                label="Tokens per round: accepted drafts and emitted", elem_id="chart")
-    return SimpleNamespace(chatbot=chatbot, box=box, send=send, stop=stop, clear=clear,
-                           outputs=[chatbot, box, tokens, stats, chart])  # fmt: skip
+            chart = gr.LinePlot(
+                EMPTY_CHART,
+                x="round",
+                y="tokens",
+                color="series",
+                height=180,
+                label="Tokens per round: accepted drafts and emitted",
+                elem_id="chart",
+            )
+    return SimpleNamespace(
+        chatbot=chatbot, box=box, send=send, stop=stop, clear=clear, outputs=[chatbot, box, tokens, stats, chart]
+    )
 
 
 def _compare_tab() -> SimpleNamespace:
     with gr.Tab("Compare", id="compare"):
-        gr.Markdown("Same prompt, same seed: the target alone, then speculative decoding with the settings "
-                    f"below. Run {render.COMPARE_ORDER}.")  # fmt: skip
+        gr.Markdown(
+            "Same prompt, same seed: the target alone, then speculative decoding with the settings "
+            f"below. Run {render.COMPARE_ORDER}."
+        )
         prompt = gr.Textbox(label="Prompt", lines=2, elem_id="compare-prompt")
         run = gr.Button("Compare", variant="primary", elem_id="compare-run")
         with gr.Row():
@@ -428,8 +502,11 @@ def _compare_tab() -> SimpleNamespace:
 def _pair_tab(demo: gr.Blocks, h: Handlers, header: gr.Markdown) -> None:
     pairs = h.pairs
     names = pairs.allowed  # in Space mode only what the Space serves: offering the rest would only fail on load
-    suggested = {f"{p.target} ← {p.drafter}: {p.why}": (p.target, p.drafter) for p in pairs.catalog.pairs
-                 if p.target in names and p.drafter in names}  # fmt: skip
+    suggested = {
+        f"{p.target} ← {p.drafter}: {p.why}": (p.target, p.drafter)
+        for p in pairs.catalog.pairs
+        if p.target in names and p.drafter in names
+    }
     loaded = pairs.loaded or pairs.catalog.default
     with gr.Tab("Pair", id="pair"):
         gr.Markdown("Choose a target and a drafter from any family; the numbers below are known before loading.")
@@ -441,16 +518,16 @@ def _pair_tab(demo: gr.Blocks, h: Handlers, header: gr.Markdown) -> None:
             d_free = gr.Textbox(label="…or a drafter hub id / local path", placeholder="owner/name or /path")
         if suggested:
             pick = gr.Dropdown(list(suggested), value=None, label="Suggested pairs")
-            pick.change(lambda k: suggested.get(k, (gr.skip(), gr.skip())), pick, [t_pick, d_pick],
-                        api_visibility="private")  # fmt: skip
+            pick.change(
+                lambda k: suggested.get(k, (gr.skip(), gr.skip())), pick, [t_pick, d_pick], api_visibility="private"
+            )
         info = gr.Markdown(elem_id="pair-preview")
         load_btn = gr.Button("Load pair", variant="primary", elem_id="load")
         status = gr.Markdown(elem_id="load-status")
         pair_inputs = [t_pick, d_pick, t_free, d_free]
         for c in pair_inputs:
             c.change(h.preview, pair_inputs, info, api_visibility="private", concurrency_limit=None)
-        load_btn.click(h.load, pair_inputs, [status, header], api_visibility="private",
-                       concurrency_id=MODELS)  # fmt: skip
+        load_btn.click(h.load, pair_inputs, [status, header], api_visibility="private", concurrency_id=MODELS)
         rank_section(h, pair_inputs, status, header, MODELS)
         demo.load(h.preview, pair_inputs, info, api_visibility="private", concurrency_limit=None)
 
@@ -459,11 +536,22 @@ def _settings_panel() -> list:
     """The settings below the tabs (Chat and Compare both use them), in `settings()`'s order."""
     with gr.Accordion("Settings", open=False, elem_id="settings"):
         with gr.Row():
-            algorithm = gr.Dropdown(list(ALGORITHMS), value=DEFAULT.algorithm, label="Algorithm", elem_id="algorithm",
-                                    info="auto picks per round what is fastest here; none = the target alone")
+            algorithm = gr.Dropdown(
+                list(ALGORITHMS),
+                value=DEFAULT.algorithm,
+                label="Algorithm",
+                elem_id="algorithm",
+                info="auto picks per round what is fastest here; none = the target alone",
+            )
             draft = gr.Dropdown(DRAFT_CHOICES, value=DEFAULT.draft_tokens, label="Draft tokens (k)")
-            max_new = gr.Number(DEFAULT.max_new_tokens, label="Max new tokens", precision=0, minimum=1,
-                                maximum=MAX_NEW_TOKENS_MAX, elem_id="max-new-tokens")  # fmt: skip
+            max_new = gr.Number(
+                DEFAULT.max_new_tokens,
+                label="Max new tokens",
+                precision=0,
+                minimum=1,
+                maximum=MAX_NEW_TOKENS_MAX,
+                elem_id="max-new-tokens",
+            )
         with gr.Row():
             temperature = gr.Slider(0, 2, value=DEFAULT.temperature, step=0.05, label="Temperature (0 = greedy)")
             top_p = gr.Slider(0.05, 1, value=DEFAULT.top_p, step=0.05, label="Top-p")

@@ -18,16 +18,21 @@ class AppService(Service):
     def models(self) -> list[dict]:
         loaded = self.pairs.loaded
         cards = [self.model_card(loaded.target, loaded.drafter, True)] if loaded else []
-        return cards + [self.model_card(name, None, False) for name in self.pairs.allowed
-                        if not loaded or name != loaded.target]  # fmt: skip
+        return cards + [
+            self.model_card(name, None, False) for name in self.pairs.allowed if not loaded or name != loaded.target
+        ]
 
     def resolve(self, model: str) -> str:
         loaded = self.pairs.loaded
         if (loaded and model == loaded.target) or model in self.pairs.allowed:
             return model
         what = "this Space serves only" if self.pairs.space_mode else "this app serves"
-        raise APIError(404, f"model {model!r} is not served here; {what} {', '.join(self.pairs.allowed)} (GET "
-                            "/v1/models lists them)", "model", "model_not_found")  # fmt: skip
+        raise APIError(
+            404,
+            f"model {model!r} is not served here; {what} {', '.join(self.pairs.allowed)} (GET /v1/models lists them)",
+            "model",
+            "model_not_found",
+        )
 
     def loaded(self, name: str):
         pair, loaded = self.pairs.pair, self.pairs.loaded

@@ -32,9 +32,17 @@ def build_tiny_llama(directory: Path, hidden_size: int = 256, layers: int = 4) -
     raw.decoder = decoders.ByteLevel()
     tok = PreTrainedTokenizerFast(tokenizer_object=raw, eos_token="<|endoftext|>", bos_token="<|endoftext|>")
     eos = len(vocab) - 1
-    cfg = LlamaConfig(vocab_size=len(vocab), hidden_size=hidden_size, intermediate_size=4 * hidden_size,
-                      num_hidden_layers=layers, num_attention_heads=hidden_size // 64, num_key_value_heads=2,
-                      max_position_embeddings=1024, eos_token_id=eos, bos_token_id=eos)  # fmt: skip
+    cfg = LlamaConfig(
+        vocab_size=len(vocab),
+        hidden_size=hidden_size,
+        intermediate_size=4 * hidden_size,
+        num_hidden_layers=layers,
+        num_attention_heads=hidden_size // 64,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        eos_token_id=eos,
+        bos_token_id=eos,
+    )
     torch.manual_seed(0)
     LlamaForCausalLM(cfg).save_pretrained(directory)
     tok.save_pretrained(directory)

@@ -31,8 +31,14 @@ from usd.loading import bnb_config, torch_dtype  # noqa: E402
 from usd.pair import Context  # noqa: E402
 
 CONFIGS = Path(__file__).resolve().parent / "configs"
-TINY = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
-        "num_key_value_heads": 2, "head_dim": 16}  # fmt: skip
+TINY = {
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+}
 
 
 def config_for(name: str, tiny: bool):
@@ -66,8 +72,9 @@ def build(cfg, precision: str, device: str):
         with torch.device("cuda"):
             AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).save_pretrained(tmp)
         torch.cuda.empty_cache()
-        model = AutoModelForCausalLM.from_pretrained(tmp, dtype=torch.bfloat16, quantization_config=quant,
-                                                     device_map="cuda")  # fmt: skip
+        model = AutoModelForCausalLM.from_pretrained(
+            tmp, dtype=torch.bfloat16, quantization_config=quant, device_map="cuda"
+        )
     return model.eval()
 
 
@@ -93,9 +100,12 @@ def profile_model(spec: str, device: str, context: int, k_max: int, reps: int, t
     ctx = Context(model, torch.randint(cfg.vocab_size, (context,)).tolist())
     ctx.forward(keep=1)  # prefill
     timed(ctx, 1, 3)  # warm-up: kernels, allocator
-    out = {"precision": precision, "params": sum(p.numel() for p in model.parameters()),
-           "step_s": timed(ctx, 1, reps),
-           "verify_s": {str(k): timed(ctx, k + 1, reps) for k in range(1, k_max + 1)}}  # fmt: skip
+    out = {
+        "precision": precision,
+        "params": sum(p.numel() for p in model.parameters()),
+        "step_s": timed(ctx, 1, reps),
+        "verify_s": {str(k): timed(ctx, k + 1, reps) for k in range(1, k_max + 1)},
+    }
     del ctx, model
     if device == "cuda":
         torch.cuda.empty_cache()
@@ -117,17 +127,22 @@ def main(argv=None) -> int:
 
     profile = {
         "device": torch.cuda.get_device_name() if args.device == "cuda" else f"cpu ({torch.get_num_threads()} threads)",
-        "date": datetime.date.today().isoformat(), "torch": torch.__version__,
-        "transformers": transformers.__version__, "context": args.context, "tiny": args.tiny,
+        "date": datetime.date.today().isoformat(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "context": args.context,
+        "tiny": args.tiny,
         "models": {},
-    }  # fmt: skip
+    }
     for spec in args.model:
         name = spec.partition("@")[0]
         entry = profile_model(spec, args.device, args.context, args.k_max, args.reps, args.tiny)
         key = Path(name).stem if name.endswith(".json") else name
         profile["models"][f"{key}@{entry['precision']}"] = entry
-        print(f"{spec}: step {entry['step_s'] * 1e3:.2f} ms, verify k=4 {entry['verify_s'].get('4', 0) * 1e3:.2f} ms",
-              file=sys.stderr)  # fmt: skip
+        print(
+            f"{spec}: step {entry['step_s'] * 1e3:.2f} ms, verify k=4 {entry['verify_s'].get('4', 0) * 1e3:.2f} ms",
+            file=sys.stderr,
+        )
     text = json.dumps(profile, indent=1)
     print(text)
     if args.out:

@@ -36,8 +36,9 @@ def main() -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(create_app(FixedPair(pair)), host="127.0.0.1", port=port,
-                                           log_level="warning"))  # fmt: skip
+    server = uvicorn.Server(
+        uvicorn.Config(create_app(FixedPair(pair)), host="127.0.0.1", port=port, log_level="warning")
+    )
     threading.Thread(target=server.run, daemon=True).start()
     while not server.started:
         time.sleep(0.05)
@@ -68,8 +69,13 @@ def main() -> None:
         t0 = time.perf_counter()
         first, text, tokens = None, "", 0
         for chunk in client.chat.completions.create(
-                model=pair.target_name, messages=messages, max_tokens=args.max_tokens, stream=True,
-                stream_options={"include_usage": True}, extra_body={"speculative": {"algorithm": args.algorithm}}):
+            model=pair.target_name,
+            messages=messages,
+            max_tokens=args.max_tokens,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"speculative": {"algorithm": args.algorithm}},
+        ):
             if chunk.choices and chunk.choices[0].delta.content:
                 first = first if first is not None else time.perf_counter() - t0
                 text += chunk.choices[0].delta.content
@@ -85,10 +91,13 @@ def main() -> None:
             runs[name].append(fn())
             print(f"  run {i + 1} {name:10} ttft {runs[name][-1][0]:.3f} s  {runs[name][-1][1]:.2f} tokens/s")
     texts = {r[2] for rs in runs.values() for r in rs}
-    med = {name: (statistics.median(r[0] for r in rs), statistics.median(r[1] for r in rs))
-           for name, rs in runs.items()}  # fmt: skip
-    print(f"{args.max_tokens} tokens, algorithm {args.algorithm}, greedy, {args.reps} alternating runs each "
-          f"(medians); identical text: {len(texts) == 1}")  # fmt: skip
+    med = {
+        name: (statistics.median(r[0] for r in rs), statistics.median(r[1] for r in rs)) for name, rs in runs.items()
+    }
+    print(
+        f"{args.max_tokens} tokens, algorithm {args.algorithm}, greedy, {args.reps} alternating runs each "
+        f"(medians); identical text: {len(texts) == 1}"
+    )
     for name, (ttft, tps) in med.items():
         print(f"  {name:10} time to first token {ttft:.3f} s   {tps:.2f} tokens/s")
     (d_ttft, d_tps), (s_ttft, s_tps) = med["usd.stream"], med["/v1"]

@@ -41,8 +41,11 @@ def tiny_tokenizers():
     target, a byte-level drafter with other merges and a SentencePiece drafter with byte fallback."""
     import tiny_tokenizers as tiny
 
-    return {"target": tiny.target(), "byte-level": tiny.drafter_byte_level(),
-            "sentencepiece": tiny.drafter_sentencepiece()}  # fmt: skip
+    return {
+        "target": tiny.target(),
+        "byte-level": tiny.drafter_byte_level(),
+        "sentencepiece": tiny.drafter_sentencepiece(),
+    }
 
 
 @pytest.fixture
@@ -83,9 +86,17 @@ def tiny_llama_dir(tmp_path_factory, real_paths):
 
     d = tmp_path_factory.mktemp("tiny-llama")
     tok = AutoTokenizer.from_pretrained(real_paths["smollm2-135m-instruct"])
-    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                      bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)  # fmt: skip
+    cfg = LlamaConfig(
+        vocab_size=len(tok),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+    )
     torch.manual_seed(0)
     LlamaForCausalLM(cfg).save_pretrained(d)
     tok.save_pretrained(d)

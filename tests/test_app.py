@@ -69,8 +69,9 @@ def test_generate_streams_and_ends_with_the_targets_own_greedy_answer(app, clien
 
 
 def test_compare_reports_identical_greedy_outputs(client):
-    plain, speculative, summary = client.predict(prompt=PROMPT, algorithm="slem", draft_tokens="4", temperature=0,
-                                                 max_new_tokens=24, api_name="/compare")  # fmt: skip
+    plain, speculative, summary = client.predict(
+        prompt=PROMPT, algorithm="slem", draft_tokens="4", temperature=0, max_new_tokens=24, api_name="/compare"
+    )
     assert summary["identical"] is True and plain == speculative and plain
     assert summary["plain_s"] > 0 and summary["speculative_s"] > 0
     assert summary["speedup"] == pytest.approx(summary["plain_s"] / summary["speculative_s"])
@@ -150,16 +151,26 @@ def test_eight_clients_at_once_each_get_their_own_answer(app):
         assert all(text.startswith(u) for u in updates), f"client {i} saw another stream"
 
 
-@pytest.mark.skipif(not shutil.which("chromium") and not os.environ.get("USD_CHAT_REQUIRE_BROWSER"),
-                    reason="Debian's chromium is installed by .ci/run and ./dev.sh test (.ci/run requires it)")
+@pytest.mark.skipif(
+    not shutil.which("chromium") and not os.environ.get("USD_CHAT_REQUIRE_BROWSER"),
+    reason="Debian's chromium is installed by .ci/run and ./dev.sh test (.ci/run requires it)",
+)
 def test_browser_chat_shows_coloured_tokens_stats_and_stop_keeps_the_chat(app):
     from playwright.sync_api import expect, sync_playwright
 
     url = app[2]
     with sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=shutil.which("chromium"), args=[
-            "--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
-            "--disable-sync", "--no-first-run"])  # fmt: skip
+        browser = p.chromium.launch(
+            executable_path=shutil.which("chromium"),
+            args=[
+                "--no-sandbox",
+                "--disable-gpu",
+                "--disable-background-networking",
+                "--disable-component-update",
+                "--disable-sync",
+                "--no-first-run",
+            ],
+        )
         page = browser.new_page(viewport={"width": 1400, "height": 1000})
         page.goto(url)
         page.locator("#settings").get_by_text("Settings").first.click()
@@ -208,17 +219,27 @@ def test_browser_chat_shows_coloured_tokens_stats_and_stop_keeps_the_chat(app):
         browser.close()
 
 
-@pytest.mark.skipif(not shutil.which("chromium") and not os.environ.get("USD_CHAT_REQUIRE_BROWSER"),
-                    reason="Debian's chromium is installed by .ci/run and ./dev.sh test (.ci/run requires it)")
+@pytest.mark.skipif(
+    not shutil.which("chromium") and not os.environ.get("USD_CHAT_REQUIRE_BROWSER"),
+    reason="Debian's chromium is installed by .ci/run and ./dev.sh test (.ci/run requires it)",
+)
 def test_browser_pair_tab_ranks_drafters_and_loads_the_picked_pair(app):
     """The Pair tab's ranking measures the drafters on disk for real (tests/test_suggest.py checks the handler on
     given numbers). It loads smollm2 back, so the pair the next test switches from is still the default."""
     from playwright.sync_api import expect, sync_playwright
 
     with sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=shutil.which("chromium"), args=[
-            "--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
-            "--disable-sync", "--no-first-run"])  # fmt: skip
+        browser = p.chromium.launch(
+            executable_path=shutil.which("chromium"),
+            args=[
+                "--no-sandbox",
+                "--disable-gpu",
+                "--disable-background-networking",
+                "--disable-component-update",
+                "--disable-sync",
+                "--no-first-run",
+            ],
+        )
         page = browser.new_page(viewport={"width": 1400, "height": 1000})
         page.goto(app[2])
         page.get_by_role("tab", name="Pair").click()
@@ -259,8 +280,14 @@ def test_the_space_entry_point_runs_as_a_space_runs_it(tmp_path, real_paths):
     from gradio_client.exceptions import AppError
 
     port = free_port()
-    env = {**os.environ, "USD_CHAT_SPACE": "1", "GRADIO_SERVER_NAME": "127.0.0.1", "GRADIO_SERVER_PORT": str(port),
-           "GRADIO_ANALYTICS_ENABLED": "False", "USD_CHAT_SPACE_MODELS": ""}  # fmt: skip
+    env = {
+        **os.environ,
+        "USD_CHAT_SPACE": "1",
+        "GRADIO_SERVER_NAME": "127.0.0.1",
+        "GRADIO_SERVER_PORT": str(port),
+        "GRADIO_ANALYTICS_ENABLED": "False",
+        "USD_CHAT_SPACE_MODELS": "",
+    }
     log = open(tmp_path / "space.log", "w")  # noqa: SIM115
     proc = subprocess.Popen([sys.executable, "space_app.py"], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
     try:

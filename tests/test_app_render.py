@@ -50,8 +50,13 @@ def with_stats(rounds):
 
 
 def test_every_kind_gets_its_class_rejected_is_struck_and_hover_gives_round_and_ids():
-    pieces = [piece("Hi", "target", 0, 7), piece(" there", "accepted", 1, 8, (3, 4)),
-              piece("!", "rejected", 1, 9, (5,)), piece(".", "resampled", 1, 11), piece(" ok", "bonus", 2, 12)]
+    pieces = [
+        piece("Hi", "target", 0, 7),
+        piece(" there", "accepted", 1, 8, (3, 4)),
+        piece("!", "rejected", 1, 9, (5,)),
+        piece(".", "resampled", 1, 11),
+        piece(" ok", "bonus", 2, 12),
+    ]
     out = render.pieces_html(pieces)
     for kind in ("target", "accepted", "rejected", "resampled", "bonus"):
         assert f"tok-{kind}" in out
@@ -64,8 +69,9 @@ def test_every_kind_gets_its_class_rejected_is_struck_and_hover_gives_round_and_
 
 
 def test_text_is_escaped_blank_tokens_marked_and_empty_pieces_skipped():
-    out = render.pieces_html([piece("<script>alert(1)</script>", "target", 0), piece("  ", "target", 1),
-                              piece("", "target", 2)])  # fmt: skip
+    out = render.pieces_html(
+        [piece("<script>alert(1)</script>", "target", 0), piece("  ", "target", 1), piece("", "target", 2)]
+    )
     assert "<script>" not in out and "&lt;script&gt;" in out
     assert "tok-blank" in out
     assert out.count('class="tok tok-') == 2
@@ -81,9 +87,13 @@ def test_legend_names_every_kind():
 
 def test_live_numbers_follow_the_rounds():
     live = render.Live("tli")
-    for r in with_stats([plain_round(0, verify_s=0.1),
-                         spec_round(1, ["a", "b"], ["c", "d"], "e", "resampled", draft_s=0.2, verify_s=0.15),
-                         spec_round(2, ["f", "g", "h", "i"], [], "j", "bonus", draft_s=0.2, verify_s=0.15)]):
+    for r in with_stats(
+        [
+            plain_round(0, verify_s=0.1),
+            spec_round(1, ["a", "b"], ["c", "d"], "e", "resampled", draft_s=0.2, verify_s=0.15),
+            spec_round(2, ["f", "g", "h", "i"], [], "j", "bonus", draft_s=0.2, verify_s=0.15),
+        ]
+    ):
         live.add(r)
     n = live.numbers()
     assert n["acceptance_rate"] == pytest.approx(6 / 8)
@@ -101,8 +111,9 @@ def test_live_numbers_follow_the_rounds():
 def test_finished_stats_replace_the_running_estimate_and_a_baseline_gives_measured_speedup():
     live = render.Live("tli", baseline_tokens_per_s=10.0)
     live.add(with_stats([spec_round(0, ["a"], ["b"], "c", "resampled")])[0])
-    stats = Stats("tli", rounds=4, drafted=10, accepted=5, tokens=12, wall_s=2.0, stop_reason="eos", c=0.3, v=1.2,
-                  mean_k=2.5)  # fmt: skip
+    stats = Stats(
+        "tli", rounds=4, drafted=10, accepted=5, tokens=12, wall_s=2.0, stop_reason="eos", c=0.3, v=1.2, mean_k=2.5
+    )
     live.add(Finished("final text", (1, 2), stats))
     n = live.numbers()
     assert n["tokens_per_s"] == 6.0 and n["acceptance_rate"] == 0.5 and n["stop_reason"] == "eos"
@@ -229,8 +240,15 @@ def test_settings_errors_say_what_to_change(args, message):
 
 def test_settings_accept_what_the_widgets_send():
     s = settings("slem", "4", 0.7, 0.9, 20.0, 3.0, 64.0).model_dump(exclude={"stop_strings"})
-    assert s == {"algorithm": "slem", "draft_tokens": 4, "temperature": 0.7, "top_p": 0.9, "top_k": 20, "seed": 3,
-                 "max_new_tokens": 64}  # fmt: skip
+    assert s == {
+        "algorithm": "slem",
+        "draft_tokens": 4,
+        "temperature": 0.7,
+        "top_p": 0.9,
+        "top_k": 20,
+        "seed": 3,
+        "max_new_tokens": 64,
+    }
     assert settings(None, None, None, None, None, "", None).max_new_tokens == 256
 
 
@@ -241,9 +259,13 @@ def test_settings_keep_big_seeds_exact():
 
 @pytest.mark.parametrize(
     ("prompt", "message"),
-    [(123, "the prompt must be text, got a number"), (1.5, "the prompt must be text, got a number"),
-     (["hi"], "the prompt must be text, got a list"), ("  ", "the prompt is empty")],
-)  # fmt: skip
+    [
+        (123, "the prompt must be text, got a number"),
+        (1.5, "the prompt must be text, got a number"),
+        (["hi"], "the prompt must be text, got a list"),
+        ("  ", "the prompt is empty"),
+    ],
+)
 def test_a_prompt_that_is_not_text_says_so(prompt, message):
     with pytest.raises(InputError, match=message):
         prompt_text(prompt)
@@ -372,8 +394,9 @@ def test_launch_defaults_to_localhost_without_share(monkeypatch):
     seen = {}
     monkeypatch.delenv("GRADIO_SERVER_NAME", raising=False)
     monkeypatch.setattr(main_mod, "create", lambda *a, **k: ("demo", None))
-    monkeypatch.setattr(main_mod, "launch", lambda demo, host, port, share, *rest: seen.update(host=host, share=share,
-                                                                                              port=port))  # fmt: skip
+    monkeypatch.setattr(
+        main_mod, "launch", lambda demo, host, port, share, *rest: seen.update(host=host, share=share, port=port)
+    )
     assert main_mod.main([]) == 0
     assert seen == {"host": "127.0.0.1", "share": False, "port": 7860}
     main_mod.main(["--host", "0.0.0.0", "--port", "9000", "--share"])

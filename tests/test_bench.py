@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from usd.bench import ALGORITHMS, SUMMARY_KEYS, bench
+from usd.bench.run import ALGORITHMS, SUMMARY_KEYS, bench
 from usd.cli import main
 from usd.datasets import Prompt
 from usd.pair import Pair
@@ -33,9 +33,29 @@ def prompts_file(tmp_path_factory):
 
 def test_bench_every_algorithm_json_csv_png(tmp_path, prompts_file, real_paths, capsys):
     out = tmp_path / "out"
-    rc = main(["bench", "--dataset", str(prompts_file), "--limit", "2", "--max-new-tokens", "8", "--precision", "fp32",
-               "--algorithms", ",".join(ALGORITHMS), "--draft-tokens", "4", "--json", f"{out}.json",
-               "--csv", f"{out}.csv", "--plot", f"{out}.png"])  # fmt: skip
+    rc = main(
+        [
+            "bench",
+            "--dataset",
+            str(prompts_file),
+            "--limit",
+            "2",
+            "--max-new-tokens",
+            "8",
+            "--precision",
+            "fp32",
+            "--algorithms",
+            ",".join(ALGORITHMS),
+            "--draft-tokens",
+            "4",
+            "--json",
+            f"{out}.json",
+            "--csv",
+            f"{out}.csv",
+            "--plot",
+            f"{out}.png",
+        ]
+    )
     assert rc == 0
     result = json.loads((tmp_path / "out.json").read_text())
     assert set(result) >= {"summary", "prompts", "machine", "settings"}
@@ -74,9 +94,27 @@ def test_bench_standard_on_a_same_tokenizer_pair(catalog, real_paths):
 
 
 def test_bench_sweep_over_draft_lengths(tmp_path, prompts_file, real_paths):
-    rc = main(["bench", "--dataset", str(prompts_file), "--limit", "1", "--max-new-tokens", "6", "--precision", "fp32",
-               "--algorithms", "none,slem", "--draft-tokens", "sweep", "--json", str(tmp_path / "s.json"),
-               "--plot", str(tmp_path / "s.png")])  # fmt: skip
+    rc = main(
+        [
+            "bench",
+            "--dataset",
+            str(prompts_file),
+            "--limit",
+            "1",
+            "--max-new-tokens",
+            "6",
+            "--precision",
+            "fp32",
+            "--algorithms",
+            "none,slem",
+            "--draft-tokens",
+            "sweep",
+            "--json",
+            str(tmp_path / "s.json"),
+            "--plot",
+            str(tmp_path / "s.png"),
+        ]
+    )
     assert rc == 0
     result = json.loads((tmp_path / "s.json").read_text())
     ks = [r["k"] for r in result["summary"] if r["algorithm"] == "slem"]
@@ -84,19 +122,43 @@ def test_bench_sweep_over_draft_lengths(tmp_path, prompts_file, real_paths):
     assert all(r["identical_to_none"] for r in result["summary"])
     height, width, _ = valid_png(tmp_path / "s.png")
     assert width > 2 * height, "three panels side by side"
-    from usd.plots import main as replot
+    from usd.bench.plots import main as replot
 
     assert replot([str(tmp_path / "s.json"), str(tmp_path / "again.png")]) == 0
     assert valid_png(tmp_path / "again.png") == (height, width, 4)
 
 
 def test_bench_suggested_pairs_that_are_on_this_machine(tmp_path, prompts_file, real_paths, catalog):
-    rc = main(["bench", "--pairs", "suggested", "--dataset", str(prompts_file), "--limit", "1", "--max-new-tokens",
-               "4", "--precision", "fp32", "--algorithms", "none,tli", "--draft-tokens", "2",
-               "--json", str(tmp_path / "p.json"), "--csv", str(tmp_path / "p.csv"), "--plot", str(tmp_path / "p.png")])
+    rc = main(
+        [
+            "bench",
+            "--pairs",
+            "suggested",
+            "--dataset",
+            str(prompts_file),
+            "--limit",
+            "1",
+            "--max-new-tokens",
+            "4",
+            "--precision",
+            "fp32",
+            "--algorithms",
+            "none,tli",
+            "--draft-tokens",
+            "2",
+            "--json",
+            str(tmp_path / "p.json"),
+            "--csv",
+            str(tmp_path / "p.csv"),
+            "--plot",
+            str(tmp_path / "p.png"),
+        ]
+    )
     assert rc == 0
-    ran = [(r["machine"]["target"], r["machine"]["drafter"]) for r in json.loads((tmp_path / "p.json").read_text())
-           ["pairs"]]  # fmt: skip
+    ran = [
+        (r["machine"]["target"], r["machine"]["drafter"])
+        for r in json.loads((tmp_path / "p.json").read_text())["pairs"]
+    ]
     # every suggested pair whose two models ship on the registry (the tests pulled them); hub-only pairs are skipped
     offline = {"smollm2-135m-instruct", "qwen2.5-coder-0.5b-instruct", "gemma-3-270m"}
     assert ran == [(p.target, p.drafter) for p in catalog.pairs if {p.target, p.drafter} <= offline]
@@ -104,7 +166,7 @@ def test_bench_suggested_pairs_that_are_on_this_machine(tmp_path, prompts_file, 
         assert {(r["target"], r["drafter"]) for r in csv.DictReader(f)} == set(ran)
     for target, drafter in ran:
         valid_png(tmp_path / f"p-{target}+{drafter}.png")
-    from usd.plots import main as replot
+    from usd.bench.plots import main as replot
 
     assert replot([str(tmp_path / "p.json"), str(tmp_path / "again.png")]) == 0  # redrawn under the same names
     for target, drafter in ran:

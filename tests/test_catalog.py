@@ -32,9 +32,13 @@ def test_builtin_catalog_loads_with_required_content():
     assert all(not m.trust_remote_code for m in cat.models)
     pairs = {(p.target, p.drafter) for p in cat.pairs}
     # the Universal Assisted Generation result pairs
-    for pair in [("codellama-13b-instruct", "tiny-starcoder-py"), ("gemma-2-9b", "vicuna-68m"),
-                 ("mixtral-8x22b-instruct", "qwen2.5-0.5b-instruct"), ("llama-3.1-70b", "qwen2.5-0.5b-instruct"),
-                 ("phi-3-medium-128k-instruct", "qwen2.5-0.5b-instruct")]:  # fmt: skip
+    for pair in [
+        ("codellama-13b-instruct", "tiny-starcoder-py"),
+        ("gemma-2-9b", "vicuna-68m"),
+        ("mixtral-8x22b-instruct", "qwen2.5-0.5b-instruct"),
+        ("llama-3.1-70b", "qwen2.5-0.5b-instruct"),
+        ("phi-3-medium-128k-instruct", "qwen2.5-0.5b-instruct"),
+    ]:
         assert pair in pairs
 
 
@@ -125,12 +129,24 @@ def test_not_yaml_and_not_mapping(tmp_path):
 
 def test_user_file_adds_and_overrides(tmp_path, monkeypatch):
     f = tmp_path / "mine.yaml"
-    f.write_text(yaml.safe_dump({
-        "models": [{"name": "my-local", "family": "llama3", "roles": ["drafter"],
-                    "source": {"kind": "path", "path": "/somewhere/model"}, "context_length": 4096,
-                    "license": "mit", "chat_template": True}],
-        "pairs": [{"target": "qwen2.5-coder-0.5b-instruct", "drafter": "my-local", "why": "mine"}],
-    }))  # fmt: skip
+    f.write_text(
+        yaml.safe_dump(
+            {
+                "models": [
+                    {
+                        "name": "my-local",
+                        "family": "llama3",
+                        "roles": ["drafter"],
+                        "source": {"kind": "path", "path": "/somewhere/model"},
+                        "context_length": 4096,
+                        "license": "mit",
+                        "chat_template": True,
+                    }
+                ],
+                "pairs": [{"target": "qwen2.5-coder-0.5b-instruct", "drafter": "my-local", "why": "mine"}],
+            }
+        )
+    )
     monkeypatch.setenv("USD_CHAT_MODELS", str(f))
     cat = load_catalog()
     assert cat.get("my-local").source.kind == "path"
@@ -140,9 +156,23 @@ def test_user_file_adds_and_overrides(tmp_path, monkeypatch):
 
 def test_user_file_error_names_user_file_and_entry(tmp_path):
     f = tmp_path / "mine.yaml"
-    f.write_text(yaml.safe_dump({"models": [{"name": "broken", "family": "x", "roles": ["boss"],
-                                              "source": {"kind": "path", "path": "/x"}, "context_length": 1,
-                                              "license": "mit", "chat_template": False}]}))  # fmt: skip
+    f.write_text(
+        yaml.safe_dump(
+            {
+                "models": [
+                    {
+                        "name": "broken",
+                        "family": "x",
+                        "roles": ["boss"],
+                        "source": {"kind": "path", "path": "/x"},
+                        "context_length": 1,
+                        "license": "mit",
+                        "chat_template": False,
+                    }
+                ]
+            }
+        )
+    )
     with pytest.raises(CatalogError) as e:
         load_catalog(user_path=f)
     assert str(f) in str(e.value) and "'broken'" in str(e.value) and "roles" in str(e.value)
@@ -157,8 +187,10 @@ def test_unknown_model_lookup_is_clear():
 
 
 def test_user_file_duplicate_names_are_rejected_with_both_lines(tmp_path):
-    entry = ("  - name: {name}\n    family: llama3\n    roles: [drafter]\n    source: {{kind: path, path: /x}}\n"
-             "    context_length: 8\n    license: mit\n    chat_template: false\n")  # fmt: skip
+    entry = (
+        "  - name: {name}\n    family: llama3\n    roles: [drafter]\n    source: {{kind: path, path: /x}}\n"
+        "    context_length: 8\n    license: mit\n    chat_template: false\n"
+    )
     f = tmp_path / "mine.yaml"
     f.write_text("models:\n" + entry.format(name="mine") + entry.format(name="other") + entry.format(name="mine"))
     with pytest.raises(CatalogError) as e:
@@ -169,9 +201,23 @@ def test_user_file_duplicate_names_are_rejected_with_both_lines(tmp_path):
 
 def test_user_file_may_replace_a_builtin_entry_by_name(tmp_path):
     f = tmp_path / "mine.yaml"
-    f.write_text(yaml.safe_dump({"models": [{"name": "smollm2-135m-instruct", "family": "mine", "roles": ["drafter"],
-                                              "source": {"kind": "path", "path": "/x"}, "context_length": 8,
-                                              "license": "mit", "chat_template": False}]}))  # fmt: skip
+    f.write_text(
+        yaml.safe_dump(
+            {
+                "models": [
+                    {
+                        "name": "smollm2-135m-instruct",
+                        "family": "mine",
+                        "roles": ["drafter"],
+                        "source": {"kind": "path", "path": "/x"},
+                        "context_length": 8,
+                        "license": "mit",
+                        "chat_template": False,
+                    }
+                ]
+            }
+        )
+    )
     cat = load_catalog(user_path=f)
     assert cat.get("smollm2-135m-instruct").family == "mine"
     assert cat.names().count("smollm2-135m-instruct") == 1
@@ -185,9 +231,19 @@ def test_builtin_duplicate_names_give_both_lines(tmp_path):
         load_catalog(f)
 
 
-BAD_PACKAGES = [("name", "--index-url=http://evil.example/simple"), ("name", "-e"), ("name", "pkg ; rm -rf"),
-                ("name", "pkg-"), ("name", ""), ("name", "pkg\n"), ("version", "1.0 --pre"), ("version", "--no-deps"),
-                ("version", "latest"), ("version", ">=1.0"), ("version", "1.0\n")]  # fmt: skip
+BAD_PACKAGES = [
+    ("name", "--index-url=http://evil.example/simple"),
+    ("name", "-e"),
+    ("name", "pkg ; rm -rf"),
+    ("name", "pkg-"),
+    ("name", ""),
+    ("name", "pkg\n"),
+    ("version", "1.0 --pre"),
+    ("version", "--no-deps"),
+    ("version", "latest"),
+    ("version", ">=1.0"),
+    ("version", "1.0\n"),
+]
 
 
 @pytest.mark.parametrize(("field", "value"), BAD_PACKAGES)

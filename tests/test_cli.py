@@ -69,8 +69,15 @@ def test_broken_user_catalog_is_reported(tmp_path):
 
 
 def _tiny_llama_config(d, **extra):
-    config = {"model_type": "llama", "vocab_size": 64, "hidden_size": 16, "intermediate_size": 32,
-              "num_hidden_layers": 1, "num_attention_heads": 2, **extra}  # fmt: skip
+    config = {
+        "model_type": "llama",
+        "vocab_size": 64,
+        "hidden_size": 16,
+        "intermediate_size": 32,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 2,
+        **extra,
+    }
     (d / "config.json").write_text(json.dumps(config))
 
 
@@ -114,8 +121,11 @@ def test_local_dir_without_tokenizer_names_the_directory(tmp_path, capsys):
 
 def test_broken_local_dir_is_reported_without_traceback(tmp_path):
     (tmp_path / "config.json").write_text("{")
-    proc = subprocess.run([sys.executable, "-m", "usd", "generate", "--target", str(tmp_path), "--prompt", "hi",
-                           "--json"], capture_output=True, text=True)  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-m", "usd", "generate", "--target", str(tmp_path), "--prompt", "hi", "--json"],
+        capture_output=True,
+        text=True,
+    )
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert f"{tmp_path / 'config.json'} is not valid JSON" in proc.stderr
 
@@ -193,19 +203,25 @@ def _word_tokenizer_model(d, words):
     return d
 
 
-@pytest.mark.parametrize(("args", "message"), [
-    (["--temperature", "-1"], "usd generate: temperature must be a number from 0 (greedy) to 5, got -1.0"),
-    (["--temperature", "nan"], "usd generate: temperature must be a number from 0 (greedy) to 5, got 'nan'"),
-    (["--top-p", "0"], "usd generate: top-p must be a number above 0 and at most 1, got 0.0"),
-    (["--top-p", "inf"], "usd generate: top-p must be a number above 0 and at most 1, got 'inf'"),
-    (["--top-k", "-1"], "usd generate: top-k must be a whole number from 0 to 1,048,576, got -1"),
-    (["--seed", "-1"], f"usd generate: seed must be a whole number from 0 to {(1 << 63) - 1:,}, got -1"),
-    (["--max-new-tokens", "0"], "usd generate: max new tokens must be a whole number from 1 to 4,096, got 0"),
-    (["--algorithm", "fast"], "usd generate: unknown algorithm 'fast'; choose one of auto, tli, slem, standard, none"),
-    # found before loading now too (the decode loop used to find these after it)
-    (["--max-new-tokens", "5000"], "usd generate: max new tokens must be a whole number from 1 to 4,096, got 5000"),
-    (["--seed", str((1 << 63) - 2), "--samples", "3"], "seed must be a whole number from 0 to"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--temperature", "-1"], "usd generate: temperature must be a number from 0 (greedy) to 5, got -1.0"),
+        (["--temperature", "nan"], "usd generate: temperature must be a number from 0 (greedy) to 5, got 'nan'"),
+        (["--top-p", "0"], "usd generate: top-p must be a number above 0 and at most 1, got 0.0"),
+        (["--top-p", "inf"], "usd generate: top-p must be a number above 0 and at most 1, got 'inf'"),
+        (["--top-k", "-1"], "usd generate: top-k must be a whole number from 0 to 1,048,576, got -1"),
+        (["--seed", "-1"], f"usd generate: seed must be a whole number from 0 to {(1 << 63) - 1:,}, got -1"),
+        (["--max-new-tokens", "0"], "usd generate: max new tokens must be a whole number from 1 to 4,096, got 0"),
+        (
+            ["--algorithm", "fast"],
+            "usd generate: unknown algorithm 'fast'; choose one of auto, tli, slem, standard, none",
+        ),
+        # found before loading now too (the decode loop used to find these after it)
+        (["--max-new-tokens", "5000"], "usd generate: max new tokens must be a whole number from 1 to 4,096, got 5000"),
+        (["--seed", str((1 << 63) - 2), "--samples", "3"], "seed must be a whole number from 0 to"),
+    ],
+)
 def test_bad_settings_exit_2_before_loading(no_loading, capsys, args, message):
     assert _exit_code(["generate", "--prompt", "hi", *args]) == 2
     err = capsys.readouterr().err
@@ -217,15 +233,19 @@ def test_empty_prompt_exits_2_before_loading(no_loading, capsys):
     assert "usd generate: the prompt is empty; type a question" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize(("option", "content", "message"), [
-    ("--prompt-file", b"caf\xe9", "{f} is not UTF-8 text (byte 3); save it as UTF-8"),
-    ("--messages-file", b"[\xff]", "{f} is not UTF-8 text (byte 1); save it as UTF-8"),
-    ("--prompt-file", b"\n", "{f}: the prompt is empty"),
-    ("--messages-file", b'[{"role": "bot", "content": "hi"}]', "{f}: message 0 has role 'bot'; use one of"),
-    ("--messages-file", b"{}", "{f}: messages must be a non-empty list"),
-])  # fmt: skip
-def test_bad_prompt_or_messages_file_exits_2_naming_it_before_loading(no_loading, capsys, tmp_path, option, content,
-                                                                      message):  # fmt: skip
+@pytest.mark.parametrize(
+    ("option", "content", "message"),
+    [
+        ("--prompt-file", b"caf\xe9", "{f} is not UTF-8 text (byte 3); save it as UTF-8"),
+        ("--messages-file", b"[\xff]", "{f} is not UTF-8 text (byte 1); save it as UTF-8"),
+        ("--prompt-file", b"\n", "{f}: the prompt is empty"),
+        ("--messages-file", b'[{"role": "bot", "content": "hi"}]', "{f}: message 0 has role 'bot'; use one of"),
+        ("--messages-file", b"{}", "{f}: messages must be a non-empty list"),
+    ],
+)
+def test_bad_prompt_or_messages_file_exits_2_naming_it_before_loading(
+    no_loading, capsys, tmp_path, option, content, message
+):
     f = tmp_path / "input.txt"
     f.write_bytes(content)
     assert _exit_code(["generate", option, str(f)]) == 2
@@ -255,5 +275,24 @@ def test_standard_with_different_tokenizers_exits_2_before_loading(no_loading, c
 
 def test_good_settings_reach_loading(no_loading):
     with pytest.raises(AssertionError, match="loaded models"):
-        _exit_code(["generate", "--prompt", "hi", "--temperature", "0.7", "--top-p", "0.9", "--top-k", "5", "--seed",
-                    "3", "--samples", "2", "--max-new-tokens", "4", "--draft-tokens", "3"])  # fmt: skip
+        _exit_code(
+            [
+                "generate",
+                "--prompt",
+                "hi",
+                "--temperature",
+                "0.7",
+                "--top-p",
+                "0.9",
+                "--top-k",
+                "5",
+                "--seed",
+                "3",
+                "--samples",
+                "2",
+                "--max-new-tokens",
+                "4",
+                "--draft-tokens",
+                "3",
+            ]
+        )

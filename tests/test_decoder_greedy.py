@@ -62,8 +62,9 @@ def gemma_pair(catalog, real_paths, pair):
 
 @torch.no_grad()
 def plain_greedy(model, ids: list[int], n: int = MAX_NEW) -> list[int]:
-    return model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                          max_new_tokens=n, do_sample=False)[0, len(ids) :].tolist()  # fmt: skip
+    return model.generate(
+        torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long), max_new_tokens=n, do_sample=False
+    )[0, len(ids) :].tolist()
 
 
 def check_same(done: Finished, ref: list[int], eos: set[int], what: str) -> None:
@@ -93,7 +94,11 @@ def test_every_algorithm_equals_plain_greedy(pair, prompt):
         # pieces hold back a multi-byte character split by max_new_tokens; the final text shows it as U+FFFD
         assert done.text == shown or (done.text.startswith(shown) and done.text[len(shown) :] == "\ufffd")
         rounds = events[:-1]
-        assert rounds[0].k == 0 and all(r.drafted <= max(r.k, 1) or r.algorithm == "slem" for r in rounds)
+        # a round drafts at most k: tli's candidates are drafter steps; slem's drafter also takes at most k steps, but
+        # the target re-tokenizes their text and may count more tokens than the drafter wrote; a plain step drafts none
+        assert rounds[0].k == 0 and all(r.draft_steps <= r.k for r in rounds)
+        assert all(r.drafted <= r.k for r in rounds if r.algorithm != "slem")
+        assert all(r.drafted == r.draft_steps == 0 for r in rounds if r.algorithm == "none")
         if algorithm in ("tli", "slem") and k == 4:
             assert done.stats.drafted > 0 and any(r.k == 4 for r in rounds)
             assert done.stats.c is not None and done.stats.v is not None
@@ -110,8 +115,10 @@ def test_long_prompt_is_fast_to_speculate_on(pair):
 
 @pytest.mark.parametrize("rendering", ["own", "stripped"])
 def test_chat_answers_equal_plain_greedy_with_either_drafter_rendering(pair, rendering):
-    messages = [{"role": "system", "content": "Answer briefly."},
-                {"role": "user", "content": "Write a Python function that reverses a string."}]  # fmt: skip
+    messages = [
+        {"role": "system", "content": "Answer briefly."},
+        {"role": "user", "content": "Write a Python function that reverses a string."},
+    ]
     ref = api.generate(pair, messages=messages, algorithm="none", max_new_tokens=MAX_NEW)
     done = api.generate(pair, messages=messages, algorithm="tli", max_new_tokens=MAX_NEW, drafter_rendering=rendering)
     assert done.target_ids == ref.target_ids and done.stats.drafted > 0
@@ -139,13 +146,18 @@ def test_equals_transformers_cross_tokenizer_generate(pair, prompt):
     # transformers may rewire the drafter it is given, so it gets its own copy; ours must stay untouched
     with torch.no_grad():
         theirs = pair.target.generate(
-            torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long), do_sample=False,
-            max_new_tokens=MAX_NEW, assistant_model=copy.deepcopy(pair.drafter), tokenizer=pair.target_tokenizer,
+            torch.tensor([ids]),
+            attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+            do_sample=False,
+            max_new_tokens=MAX_NEW,
+            assistant_model=copy.deepcopy(pair.drafter),
+            tokenizer=pair.target_tokenizer,
             assistant_tokenizer=pair.drafter_tokenizer,
-        )[0, len(ids) :].tolist()  # fmt: skip
+        )[0, len(ids) :].tolist()
     for algorithm in ("tli", "slem"):
-        *_, done = stream(pair, ids, pair.drafter_tokenizer.encode(prompt), algorithm=algorithm, k=4,
-                          max_new_tokens=MAX_NEW)  # fmt: skip
+        *_, done = stream(
+            pair, ids, pair.drafter_tokenizer.encode(prompt), algorithm=algorithm, k=4, max_new_tokens=MAX_NEW
+        )
         check_same(done, theirs, pair.eos_ids(), f"{algorithm} vs transformers")
 
 
@@ -180,7 +192,7 @@ def other_backend_pair(pair):
     return Pair(models[0], pair.target_tokenizer, models[1], pair.drafter_tokenizer, "qwen", "smol", 32768)
 
 
-@pytest.mark.parametrize("prompt", [PROMPTS[0], PROMPTS[2], PROMPTS[3], PROMPTS[6]], ids=range(4))
+@pytest.mark.parametrize("prompt", [PROMPTS[0], PROMPTS[3]], ids=range(2))  # code, emoji: CI time
 def test_the_other_linear_backend_equals_plain_greedy_too(other_backend_pair, prompt):
     p = other_backend_pair
     ids, dids = p.target_tokenizer.encode(prompt), p.drafter_tokenizer.encode(prompt)

@@ -31,7 +31,8 @@ import threading
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from tiny_pairs import tiny_config
+from transformers import LlamaForCausalLM
 
 import usd.decoder
 from usd.decoder import stream
@@ -52,11 +53,7 @@ EOS_STRING = "<|im_end|>"  # Qwen's and SmolLM2's end of sequence (and end of tu
 
 def tiny_model(tokenizer, seed: int) -> LlamaForCausalLM:
     torch.manual_seed(seed)
-    cfg = LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=256,
-                      tie_word_embeddings=False, bos_token_id=tokenizer.bos_token_id,
-                      eos_token_id=tokenizer.eos_token_id)  # fmt: skip
-    model = LlamaForCausalLM(cfg).eval()
+    model = LlamaForCausalLM(tiny_config(tokenizer)).eval()
     # like a real checkpoint: generation stops at the tokenizer's eos (the config default would be id 2)
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     model.generation_config.pad_token_id = tokenizer.eos_token_id
@@ -150,8 +147,12 @@ def run(pair, ids, dids, **kwargs) -> tuple[list[Round], Finished]:
 @torch.no_grad()
 def reference(pair: Pair, ids: list[int], max_new: int) -> tuple[list[int], bool]:
     """transformers' plain greedy: (tokens before any eos, whether it ended with eos)."""
-    out = pair.target.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                               max_new_tokens=max_new, do_sample=False)[0, len(ids) :].tolist()  # fmt: skip
+    out = pair.target.generate(
+        torch.tensor([ids]),
+        attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+        max_new_tokens=max_new,
+        do_sample=False,
+    )[0, len(ids) :].tolist()
     eos = pair.eos_ids()
     for i, t in enumerate(out):
         if t in eos:
@@ -217,16 +218,20 @@ def test_drafter_proposes_eos_and_the_target_accepts_it(tok, drafts, algorithm):
 def test_drafter_proposes_eos_and_the_target_rejects_it(tok, drafts, algorithm):
     tt, dt = tok[QWEN], tok[SMOL]
     eos_t, eos_d = tt.eos_token_id, dt.eos_token_id
-    pair, ids, dids = scripted_pair(tt, dt, "Count:", enc(tt, " one two three four") + [eos_t],
-                                    enc(dt, " one two") + [eos_d])  # fmt: skip
+    pair, ids, dids = scripted_pair(
+        tt, dt, "Count:", enc(tt, " one two three four") + [eos_t], enc(dt, " one two") + [eos_d]
+    )
     rounds, done = run(pair, ids, dids, algorithm=algorithm, k=8, max_new_tokens=10)
     # it happened: eos drafted third, shown rejected, and the target said " three" instead
     assert drafts[0] == enc(tt, " one two") + [eos_t]
     first = rounds[0]
     assert (first.drafted, first.accepted) == (3, 2)
     assert [(p.kind, p.target_id) for p in first.pieces] == [
-        ("accepted", enc(tt, " one")[0]), ("accepted", enc(tt, " two")[0]), ("rejected", eos_t),
-        ("resampled", enc(tt, " three")[0])]  # fmt: skip
+        ("accepted", enc(tt, " one")[0]),
+        ("accepted", enc(tt, " two")[0]),
+        ("rejected", eos_t),
+        ("resampled", enc(tt, " three")[0]),
+    ]
     assert first.pieces[2].text == EOS_STRING
     assert done.stats.stop_reason == "eos" and done.text == " one two three four"
     assert_pieces_are_the_text(rounds, done)
@@ -241,8 +246,9 @@ def test_drafter_proposes_eos_and_the_target_rejects_it(tok, drafts, algorithm):
 def test_target_ends_mid_draft(tok, drafts, algorithm):
     tt, dt = tok[QWEN], tok[SMOL]
     eos_t = tt.eos_token_id
-    pair, ids, dids = scripted_pair(tt, dt, "Count:", enc(tt, " one two three") + [eos_t],
-                                    enc(dt, " one two three four five six"))  # fmt: skip
+    pair, ids, dids = scripted_pair(
+        tt, dt, "Count:", enc(tt, " one two three") + [eos_t], enc(dt, " one two three four five six")
+    )
     rounds, done = run(pair, ids, dids, algorithm=algorithm, k=8, max_new_tokens=10)
     # it happened: the round drafted past " three", the target put eos where the drafter had " four"
     assert len(rounds) == 1
@@ -366,8 +372,11 @@ def test_max_new_tokens_inside_a_round(tok, algorithm):
     pair, ids, dids = scripted_pair(tt, dt, "Count:", enc(tt, words) + [tt.eos_token_id], enc(dt, words))
     rounds, done = run(pair, ids, dids, algorithm=algorithm, k=8, max_new_tokens=3)
     assert len(rounds) == 1 and rounds[0].accepted > 3  # the round would have emitted more
-    assert [(p.kind, p.text) for p in rounds[0].pieces] == [("accepted", " one"), ("accepted", " two"),
-                                                           ("accepted", " three")]  # fmt: skip
+    assert [(p.kind, p.text) for p in rounds[0].pieces] == [
+        ("accepted", " one"),
+        ("accepted", " two"),
+        ("accepted", " three"),
+    ]
     assert len(done.target_ids) == 3 and done.stats.tokens == 3 and done.stats.stop_reason == "max_tokens"
     assert list(done.target_ids) == enc(tt, words)[:3]
     assert_pieces_are_the_text(rounds, done)
@@ -392,8 +401,11 @@ def test_k_zero_is_plain_decoding(tok, monkeypatch, algorithm):
     rounds, done = run(pair, ids, dids, algorithm=algorithm, k=0, max_new_tokens=8, probe_first=True)
     assert all(r.k == 0 and r.drafted == 0 and r.algorithm == "none" for r in rounds)
     assert all(p.kind == "target" for r in rounds for p in r.pieces)
-    assert done.stats.algorithm == "none" and done.stats.drafted == 0 and done.stats.rounds_by_algorithm == {
-        "none": len(rounds)}  # fmt: skip
+    assert (
+        done.stats.algorithm == "none"
+        and done.stats.drafted == 0
+        and done.stats.rounds_by_algorithm == {"none": len(rounds)}
+    )
     assert len(rounds) == len(done.target_ids) + 1  # one target step per token, and the one that said eos
     assert done.text == words
     assert_plain(pair, ids, dids, done, 8)
@@ -407,15 +419,25 @@ def fingerprint(model, full: bool = True) -> tuple:
     """Everything a change to the model would show: the modules, each parameter object and its in-place version
     counter, shapes, the embeddings, and a hash of the weights (all of them, or the LM head's only)."""
     h = hashlib.sha256()
-    tensors = list(model.named_parameters()) + list(model.named_buffers()) if full else [
-        ("lm_head", model.get_output_embeddings().weight)]  # fmt: skip
+    tensors = (
+        list(model.named_parameters()) + list(model.named_buffers())
+        if full
+        else [("lm_head", model.get_output_embeddings().weight)]
+    )
     for name, t in tensors:
         h.update(name.encode())
         h.update(t.detach().float().cpu().contiguous().numpy().tobytes())
     out_emb, in_emb = model.get_output_embeddings(), model.get_input_embeddings()
-    return (h.hexdigest(), [(n, id(p), p._version, tuple(p.shape), p.dtype) for n, p in model.named_parameters()],
-            [(n, type(m).__name__) for n, m in model.named_modules()], id(out_emb), tuple(out_emb.weight.shape),
-            id(in_emb), tuple(in_emb.weight.shape), model.config.to_dict())  # fmt: skip
+    return (
+        h.hexdigest(),
+        [(n, id(p), p._version, tuple(p.shape), p.dtype) for n, p in model.named_parameters()],
+        [(n, type(m).__name__) for n, m in model.named_modules()],
+        id(out_emb),
+        tuple(out_emb.weight.shape),
+        id(in_emb),
+        tuple(in_emb.weight.shape),
+        model.config.to_dict(),
+    )
 
 
 @pytest.mark.parametrize("algorithm", SPEC)
@@ -500,8 +522,13 @@ def test_invalid_utf8_in_the_answer_neither_blanks_the_stream_nor_blinds_the_dra
     pair0, *_ = scripted_pair(tt, dt, "Say:", enc(tt, " ok"), None)
     bad_t, bad_d = byte_token(pair0.target_bytes, 0x80), byte_token(pair0.drafter_bytes, 0x80)
     words = " and then the rest of the answer goes on here"
-    pair, ids, dids = scripted_pair(tt, dt, "Say:", enc(tt, " ok") + [bad_t] + enc(tt, words) + [tt.eos_token_id],
-                                    enc(dt, " ok") + [bad_d] + enc(dt, words) + [dt.eos_token_id])  # fmt: skip
+    pair, ids, dids = scripted_pair(
+        tt,
+        dt,
+        "Say:",
+        enc(tt, " ok") + [bad_t] + enc(tt, words) + [tt.eos_token_id],
+        enc(dt, " ok") + [bad_d] + enc(dt, words) + [dt.eos_token_id],
+    )
     rounds, done = run(pair, ids, dids, algorithm=algorithm, k=4, max_new_tokens=40)
     assert done.text == " ok\ufffd" + words and done.stats.stop_reason == "eos"
     pieces = emitted(rounds)
@@ -539,8 +566,15 @@ def gpt2_like(tokenizer, positions: int, seed: int):
     from transformers import GPT2Config, GPT2LMHeadModel
 
     torch.manual_seed(seed)
-    cfg = GPT2Config(vocab_size=len(tokenizer), n_positions=positions, n_embd=32, n_layer=1, n_head=2,
-                     bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)  # fmt: skip
+    cfg = GPT2Config(
+        vocab_size=len(tokenizer),
+        n_positions=positions,
+        n_embd=32,
+        n_layer=1,
+        n_head=2,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+    )
     return GPT2LMHeadModel(cfg).eval()
 
 

@@ -67,8 +67,15 @@ def test_memory_estimate_scales_with_precision(catalog):
 
     entry = catalog.get("llama-3.1-8b-instruct")
     # The real Llama-3.1-8B shape, built from its config values (no download).
-    cfg = AutoConfig.for_model("llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336,
-                               num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8)  # fmt: skip
+    cfg = AutoConfig.for_model(
+        "llama",
+        vocab_size=128256,
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+    )
     linear, other = loading.count_params(cfg)
     assert 7.9e9 < linear + other < 8.1e9
     nf4 = loading.estimate_bytes(entry, "nf4", "cuda", cfg)

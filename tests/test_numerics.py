@@ -7,7 +7,8 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from app import render
-from usd.bench import Run, summarize, table
+from usd.bench.report import table
+from usd.bench.run import Run, summarize
 from usd.events import Finished, Stats
 from usd.numerics import divergence
 from usd.pair import Pair
@@ -19,8 +20,15 @@ PROMPT = [3, 4, 5]
 def _target(second_logit_share: float) -> LlamaForCausalLM:
     """A tiny model whose top two tokens after PROMPT (ids 7 and 9) have logits L and share * L."""
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
-                      num_key_value_heads=1, max_position_embeddings=64)  # fmt: skip
+    cfg = LlamaConfig(
+        vocab_size=32,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=64,
+    )
     model = LlamaForCausalLM(cfg).eval()
     h = model.model(input_ids=torch.tensor([PROMPT])).last_hidden_state[0, -1]
     unit = h / h.norm() ** 2  # logit of a row r * unit is r

@@ -1,4 +1,4 @@
-"""Vocabulary overlap as raw bytes, against the figures in shared/MODELS.md."""
+"""Vocabulary overlap as raw bytes, against the figures measured with the real tokenizers (README's table)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import json
 import pytest
 
 from usd.cli import main
-from usd.vocab import align, byte_decoder, overlap_report, piece_bytes, tokenizer_kind
+from usd.vocab import CEILING_SAMPLE, align, byte_decoder, overlap_report, piece_bytes, tokenizer_kind
 
 SMOL, QWEN, GEMMA = "smollm2-135m-instruct", "qwen2.5-coder-0.5b-instruct", "gemma-3-270m"
 VOCAB = {SMOL: 49152, QWEN: 151936, GEMMA: 262144}
@@ -36,22 +36,24 @@ def test_tokenizer_kinds(real_tokenizers):
     assert tokenizer_kind(real_tokenizers[GEMMA]) == "sentencepiece"
 
 
-# (target, drafter) -> shared, shared without normalisation, from shared/MODELS.md
+# (target, drafter) -> shared, shared without normalisation, tli's alpha ceiling (shared / all of the target's tokens
+# of CEILING_SAMPLE): counts, so exact; README's `usd overlap` table shows the same numbers
 EXPECTED = {
-    (QWEN, SMOL): (39_237, None),
-    (SMOL, GEMMA): (46_145, 14_837),
-    (QWEN, GEMMA): (95_969, 24_520),
+    (QWEN, SMOL): (39_237, 39_237, (104, 122)),
+    (SMOL, GEMMA): (46_138, 14_837, (131, 136)),
+    (QWEN, GEMMA): (95_934, 24_520, (107, 122)),
 }
 
 
 @pytest.mark.real_models
 @pytest.mark.parametrize(("target", "drafter"), list(EXPECTED))
-def test_overlap_matches_models_md(target, drafter, real_tokenizers):
+def test_overlap_matches_the_measured_figures(target, drafter, real_tokenizers):
     report = overlap_report(real_tokenizers[target], real_tokenizers[drafter], VOCAB[target], VOCAB[drafter])
-    shared, raw = EXPECTED[(target, drafter)]
-    assert report["shared"] == pytest.approx(shared, rel=0.01)
-    if raw is not None:
-        assert report["shared_without_normalisation"] == pytest.approx(raw, rel=0.01)
+    shared, raw, (spelled, tokens) = EXPECTED[(target, drafter)]
+    assert report["shared"] == shared
+    assert report["shared_without_normalisation"] == raw
+    assert len(real_tokenizers[target].encode(CEILING_SAMPLE, add_special_tokens=False)) == tokens
+    assert report["alpha_ceiling_tli"] == spelled / tokens
     assert report["shared_pct_target"] == pytest.approx(100 * report["shared"] / VOCAB[target], abs=0.01)
     # symmetric: swapping roles shares the same strings
     swapped = overlap_report(real_tokenizers[drafter], real_tokenizers[target])
@@ -61,8 +63,8 @@ def test_overlap_matches_models_md(target, drafter, real_tokenizers):
 @pytest.mark.real_models
 def test_smol_qwen_percentages(real_tokenizers):
     r = overlap_report(real_tokenizers[QWEN], real_tokenizers[SMOL], VOCAB[QWEN], VOCAB[SMOL])
-    assert r["shared_pct_drafter"] == pytest.approx(79.8, abs=0.8)
-    assert r["shared_pct_target"] == pytest.approx(25.8, abs=0.3)
+    assert r["shared_pct_drafter"] == 79.83  # 39,237 / 49,152, rounded to two places
+    assert r["shared_pct_target"] == 25.82  # 39,237 / 151,936
 
 
 @pytest.mark.real_models
@@ -96,8 +98,24 @@ def test_alignment_is_in_id_order(real_tokenizers):
 def test_cli_overlap_json(real_paths, capsys):
     assert main(["overlap", QWEN, SMOL, "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
-    keys = {"target_vocab", "drafter_vocab", "shared", "shared_pct_target", "shared_pct_drafter",
-            "shared_without_normalisation"}  # fmt: skip
+    keys = {
+        "target_vocab",
+        "drafter_vocab",
+        "shared",
+        "shared_pct_target",
+        "shared_pct_drafter",
+        "shared_without_normalisation",
+        "alpha_ceiling_tli",
+    }
     assert keys <= set(report)
     assert report["target_vocab"] == VOCAB[QWEN] and report["drafter_vocab"] == VOCAB[SMOL]
-    assert report["shared"] == pytest.approx(39_237, rel=0.01)
+    assert report["shared"] == 39_237
+    assert report["alpha_ceiling_tli"] == 104 / 122
+
+
+@pytest.mark.real_models
+def test_cli_overlap_prints_the_alpha_ceiling(real_paths, capsys):
+    assert main(["overlap", QWEN, GEMMA]) == 0
+    out = capsys.readouterr().out
+    assert "shared (as raw bytes): 95,934  = 63.1% of the target's, 36.6% of the drafter's vocabulary" in out
+    assert "alpha ceiling for tli: 88% (the share of the target's tokens" in out

@@ -10,15 +10,18 @@ from pathlib import Path
 
 import pytest
 
+from usd.bench.projection import alphas_from_bench, costs, project
 from usd.cli import main
-from usd.projection import alphas_from_bench, costs, project
 
 ROOT = Path(__file__).resolve().parent.parent
-PROFILE = {"device": "test GPU", "models": {
-    "big@nf4": {"step_s": 0.020, "verify_s": {"1": 0.022, "2": 0.024, "3": 0.030}},
-    "big@bf16": {"step_s": 0.030, "verify_s": {"1": 0.031}},
-    "small@bf16": {"step_s": 0.002, "verify_s": {"1": 0.002}},
-}}  # fmt: skip
+PROFILE = {
+    "device": "test GPU",
+    "models": {
+        "big@nf4": {"step_s": 0.020, "verify_s": {"1": 0.022, "2": 0.024, "3": 0.030}},
+        "big@bf16": {"step_s": 0.030, "verify_s": {"1": 0.031}},
+        "small@bf16": {"step_s": 0.002, "verify_s": {"1": 0.002}},
+    },
+}
 
 
 def test_projection_matches_hand_computed_values():
@@ -46,11 +49,16 @@ def test_costs_from_a_profile():
 
 
 def test_alpha_per_algorithm_from_a_bench_result():
-    result = {"summary": [
-        {"algorithm": "none", "k": 0, "acceptance_rate": 0.0},
-        {"algorithm": "tli", "k": 1, "acceptance_rate": 0.4}, {"algorithm": "tli", "k": 2, "acceptance_rate": 0.6},
-        {"algorithm": "slem", "k": "auto", "acceptance_rate": 0.7}, {"algorithm": "auto", "k": "auto",
-        "acceptance_rate": 0.3}, {"algorithm": "hf", "k": None, "acceptance_rate": None}]}  # fmt: skip
+    result = {
+        "summary": [
+            {"algorithm": "none", "k": 0, "acceptance_rate": 0.0},
+            {"algorithm": "tli", "k": 1, "acceptance_rate": 0.4},
+            {"algorithm": "tli", "k": 2, "acceptance_rate": 0.6},
+            {"algorithm": "slem", "k": "auto", "acceptance_rate": 0.7},
+            {"algorithm": "auto", "k": "auto", "acceptance_rate": 0.3},
+            {"algorithm": "hf", "k": None, "acceptance_rate": None},
+        ]
+    }
     assert alphas_from_bench(result) == {"tli": pytest.approx(0.5), "slem": pytest.approx(0.7)}
     assert alphas_from_bench({"pairs": [result]}) == alphas_from_bench(result)
 
@@ -58,28 +66,93 @@ def test_alpha_per_algorithm_from_a_bench_result():
 def test_project_command(tmp_path, capsys):
     profile = tmp_path / "p.json"
     profile.write_text(json.dumps(PROFILE))
-    assert main(["project", "--target-config", "big@nf4", "--drafter-config", "small", "--alpha", "0.5",
-                 "--profile", str(profile), "--k-max", "3", "--json"]) == 0  # fmt: skip
+    assert (
+        main(
+            [
+                "project",
+                "--target-config",
+                "big@nf4",
+                "--drafter-config",
+                "small",
+                "--alpha",
+                "0.5",
+                "--profile",
+                str(profile),
+                "--k-max",
+                "3",
+                "--json",
+            ]
+        )
+        == 0
+    )
     out = json.loads(capsys.readouterr().out)
     assert out["c"] == pytest.approx(0.1)
     assert [r["speedup"] for r in out["projections"]["given"]] == pytest.approx([1.5 / 1.2, 1.25, 1.875 / 1.8])
     bench = tmp_path / "bench.json"
     bench.write_text(json.dumps({"summary": [{"algorithm": "slem", "k": 4, "acceptance_rate": 0.5}]}))
-    assert main(["project", "--target-config", "big@nf4", "--drafter-config", "small", "--from-bench", str(bench),
-                 "--profile", str(profile)]) == 0  # fmt: skip
+    assert (
+        main(
+            [
+                "project",
+                "--target-config",
+                "big@nf4",
+                "--drafter-config",
+                "small",
+                "--from-bench",
+                str(bench),
+                "--profile",
+                str(profile),
+            ]
+        )
+        == 0
+    )
     text = capsys.readouterr().out
     assert "slem: alpha = 0.50; best k = 1, expected speedup 1.25x" in text  # k = 1 and 2 tie at 1.25; the shorter wins
-    assert main(["project", "--target-config", "big@nf4", "--drafter-config", "nope", "--alpha", "0.5",
-                 "--profile", str(profile)]) == 2  # fmt: skip
+    assert (
+        main(
+            [
+                "project",
+                "--target-config",
+                "big@nf4",
+                "--drafter-config",
+                "nope",
+                "--alpha",
+                "0.5",
+                "--profile",
+                str(profile),
+            ]
+        )
+        == 2
+    )
     assert "nope not in the profile" in capsys.readouterr().err
 
 
 def test_profile_script_on_tiny_configs(tmp_path):
     out = tmp_path / "profile.json"
-    run = subprocess.run([sys.executable, str(ROOT / "scripts" / "gpu_profile.py"), "--tiny", "--device", "cpu",
-                          "--model", "llama-3.1-8b@fp32", "--model", "smollm2-135m", "--context", "16",
-                          "--k-max", "3", "--reps", "2", "--out", str(out)],
-                         capture_output=True, text=True, timeout=300)  # fmt: skip
+    run = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "scripts" / "gpu_profile.py"),
+            "--tiny",
+            "--device",
+            "cpu",
+            "--model",
+            "llama-3.1-8b@fp32",
+            "--model",
+            "smollm2-135m",
+            "--context",
+            "16",
+            "--k-max",
+            "3",
+            "--reps",
+            "2",
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert run.returncode == 0, run.stderr[-2000:]
     profile = json.loads(out.read_text())
     assert profile["tiny"] is True and set(profile["models"]) == {"llama-3.1-8b@fp32", "smollm2-135m@fp32"}

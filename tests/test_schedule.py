@@ -37,8 +37,9 @@ class World:
         while accepted < k and self.rng.random() < self.alpha[mode]:
             accepted += 1
         draft_s, verify_s = k * self.draft[mode], self.verify(k + 1)
-        schedule.observe(mode, k, k, accepted, accepted + 1, draft_s + verify_s, draft_s=draft_s, draft_steps=k,
-                         verify_s=verify_s)  # fmt: skip
+        schedule.observe(
+            mode, k, k, accepted, accepted + 1, draft_s + verify_s, draft_s=draft_s, draft_steps=k, verify_s=verify_s
+        )
         return mode, k
 
     def run(self, schedule: Schedule, rounds: int) -> list[tuple[str, int]]:

@@ -57,14 +57,30 @@ class _Tok:
 
 def _pair() -> Pair:
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
-                      num_key_value_heads=1, max_position_embeddings=128, eos_token_id=None)  # fmt: skip
+    cfg = LlamaConfig(
+        vocab_size=64,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=128,
+        eos_token_id=None,
+    )
     return Pair(LlamaForCausalLM(cfg).eval(), _Tok())
 
 
 def _sample_ids(pair: Pair, seed: int | None) -> tuple[int, ...]:
-    events = list(stream(pair, [1, 2, 3], algorithm="none", params=SamplingParams(temperature=1.5, seed=seed),
-                         max_new_tokens=12, probe_first=False))  # fmt: skip
+    events = list(
+        stream(
+            pair,
+            [1, 2, 3],
+            algorithm="none",
+            params=SamplingParams(temperature=1.5, seed=seed),
+            max_new_tokens=12,
+            probe_first=False,
+        )
+    )
     return events[-1].target_ids
 
 

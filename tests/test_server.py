@@ -100,8 +100,9 @@ def test_models_lists_the_loaded_target(client, pair):
 
 def test_chat_greedy_is_the_targets_answer_with_usage_and_stats(client, pair, expected):
     spec = {"algorithm": "slem", "draft_tokens": 3}
-    r = client.chat.completions.create(model=pair.target_name, messages=ASK, max_tokens=N, temperature=0,
-                                       extra_body={"speculative": spec})  # fmt: skip
+    r = client.chat.completions.create(
+        model=pair.target_name, messages=ASK, max_tokens=N, temperature=0, extra_body={"speculative": spec}
+    )
     want = expected(messages=ASK)
     assert r.object == "chat.completion" and r.id.startswith("chatcmpl-") and r.model == pair.target_name
     assert r.choices[0].message.role == "assistant" and r.choices[0].message.content == want.text
@@ -115,9 +116,16 @@ def test_chat_greedy_is_the_targets_answer_with_usage_and_stats(client, pair, ex
 
 
 def test_chat_stream_sends_pieces_stats_usage_and_done(client, server, pair, expected):
-    chunks = list(client.chat.completions.create(
-        model=pair.target_name, messages=ASK, max_completion_tokens=N, stream=True,
-        stream_options={"include_usage": True}, extra_body={"speculative": {"algorithm": "tli", "pieces": True}}))
+    chunks = list(
+        client.chat.completions.create(
+            model=pair.target_name,
+            messages=ASK,
+            max_completion_tokens=N,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"speculative": {"algorithm": "tli", "pieces": True}},
+        )
+    )
     want = expected(messages=ASK)
     assert chunks[0].choices[0].delta.role == "assistant"
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == want.text
@@ -131,8 +139,9 @@ def test_chat_stream_sends_pieces_stats_usage_and_done(client, server, pair, exp
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == N
     # on the wire: SSE data lines, ending with [DONE]
     body = {"model": pair.target_name, "messages": ASK, "max_tokens": 2, "stream": True}
-    with httpx.stream("POST", f"{server[0]}/chat/completions", json=body, timeout=120,
-                      headers={"Authorization": f"Bearer {KEY}"}) as r:  # fmt: skip
+    with httpx.stream(
+        "POST", f"{server[0]}/chat/completions", json=body, timeout=120, headers={"Authorization": f"Bearer {KEY}"}
+    ) as r:
         assert r.headers["content-type"].startswith("text/event-stream")
         lines = [line for line in r.iter_lines() if line]
     assert all(line.startswith("data: ") for line in lines) and lines[-1] == "data: [DONE]"
@@ -158,16 +167,22 @@ def test_stop_ends_the_text_before_it_with_finish_reason_stop(client, pair, expe
     r = client.completions.create(model=pair.target_name, prompt=prompt, max_tokens=12, stop=[stop, "@@@"])
     assert r.choices[0].text == want and r.choices[0].finish_reason == "stop"
     assert r.model_extra["speculative"]["stop_reason"] == "stop_string"
-    chunks = list(client.completions.create(model=pair.target_name, prompt=prompt, max_tokens=12, stop=stop,
-                                            stream=True))  # fmt: skip
+    chunks = list(
+        client.completions.create(model=pair.target_name, prompt=prompt, max_tokens=12, stop=stop, stream=True)
+    )
     assert "".join(c.choices[0].text for c in chunks if c.choices) == want
     assert chunks[-1].choices[0].finish_reason == "stop"
 
 
 def test_a_seed_reproduces_a_sampled_answer(client, pair):
     def sample(seed):
-        return client.chat.completions.create(model=pair.target_name, messages=ASK, max_tokens=6, temperature=1.0,
-                                              top_p=0.95, seed=seed).choices[0].message.content  # fmt: skip
+        return (
+            client.chat.completions.create(
+                model=pair.target_name, messages=ASK, max_tokens=6, temperature=1.0, top_p=0.95, seed=seed
+            )
+            .choices[0]
+            .message.content
+        )
 
     assert sample(11) == sample(11)
 
@@ -188,8 +203,9 @@ def test_errors_reach_the_client_as_openais_exceptions_with_the_engines_message(
         client.completions.create(model=pair.target_name, prompt="word " * 33_000, max_tokens=4)
     assert e.value.code == "context_length_exceeded"
     with pytest.raises(openai.BadRequestError, match="lower max new tokens to at most") as e:
-        client.chat.completions.create(model=pair.target_name, messages=[{"role": "user", "content": "w " * 30_000}],
-                                       max_tokens=4096)  # fmt: skip
+        client.chat.completions.create(
+            model=pair.target_name, messages=[{"role": "user", "content": "w " * 30_000}], max_tokens=4096
+        )
     assert e.value.code == "context_length_exceeded"
     with pytest.raises(openai.NotFoundError, match="'gpt-4o' is not served here") as e:
         client.chat.completions.create(model="gpt-4o", messages=ASK)
@@ -230,8 +246,9 @@ def test_a_client_that_disconnects_frees_its_slot_and_the_next_is_served(client,
     service.slots.configure(concurrency=1, max_queue=16)
     try:
         body = {"model": pair.target_name, "messages": ASK, "max_tokens": 1000, "stream": True}
-        with httpx.stream("POST", f"{url}/chat/completions", json=body, timeout=120,
-                          headers={"Authorization": f"Bearer {KEY}"}) as r:  # fmt: skip
+        with httpx.stream(
+            "POST", f"{url}/chat/completions", json=body, timeout=120, headers={"Authorization": f"Bearer {KEY}"}
+        ) as r:
             seen = 0
             for line in r.iter_lines():
                 seen += line.startswith("data: ")
@@ -250,8 +267,7 @@ def test_eight_concurrent_streaming_clients_each_get_their_own_answer(client, pa
     results: dict[int, str] = {}
 
     def ask(i: int) -> None:
-        chunks = client.chat.completions.create(model=pair.target_name, messages=prompts[i], max_tokens=5,
-                                                stream=True)  # fmt: skip
+        chunks = client.chat.completions.create(model=pair.target_name, messages=prompts[i], max_tokens=5, stream=True)
         results[i] = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
 
     threads = [threading.Thread(target=ask, args=(i,)) for i in range(8)]
@@ -281,11 +297,15 @@ def test_the_app_serves_the_ui_and_v1_side_by_side(pair, expected, monkeypatch):
         prompt = ASK[0]["content"]
         out = {}
         threads = [
-            threading.Thread(target=lambda: out.setdefault("ui", ui.predict(prompt=prompt, max_new_tokens=N,
-                                                                            api_name="/generate"))),
-            threading.Thread(target=lambda: out.setdefault("v1", v1.chat.completions.create(
-                model=pairs.loaded.target, messages=ASK, max_tokens=N))),
-        ]  # fmt: skip
+            threading.Thread(
+                target=lambda: out.setdefault("ui", ui.predict(prompt=prompt, max_new_tokens=N, api_name="/generate"))
+            ),
+            threading.Thread(
+                target=lambda: out.setdefault(
+                    "v1", v1.chat.completions.create(model=pairs.loaded.target, messages=ASK, max_tokens=N)
+                )
+            ),
+        ]
         for t in threads:
             t.start()
         for t in threads:
@@ -305,8 +325,13 @@ def test_the_app_as_a_front_end_for_usd_serve_shows_pieces_and_stats(tmp_path, r
     port = free_port()
     log = open(tmp_path / "serve.log", "w")  # noqa: SIM115
     env = {**os.environ, "USD_API_KEY": KEY, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.Popen([sys.executable, "-m", "usd", "serve", "--port", str(port)], cwd=ROOT, env=env,
-                            stdout=log, stderr=subprocess.STDOUT)  # fmt: skip
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "usd", "serve", "--port", str(port)],
+        cwd=ROOT,
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
     demo = None
     try:
         url = f"http://127.0.0.1:{port}/v1"

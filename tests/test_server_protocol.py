@@ -17,8 +17,17 @@ def chat(**fields):
 
 
 def test_settings_come_from_generation_settings_with_openai_names():
-    s = p.settings_of(chat(max_completion_tokens=12, temperature="0.5", top_p=0.9, seed=3, stop="\n",
-                           speculative={"algorithm": "slem", "draft_tokens": 4}, top_k=5))  # fmt: skip
+    s = p.settings_of(
+        chat(
+            max_completion_tokens=12,
+            temperature="0.5",
+            top_p=0.9,
+            seed=3,
+            stop="\n",
+            speculative={"algorithm": "slem", "draft_tokens": 4},
+            top_k=5,
+        )
+    )
     assert (s.max_new_tokens, s.temperature, s.top_p, s.seed, s.stop_strings) == (12, 0.5, 0.9, 3, ("\n",))
     assert (s.algorithm, s.draft_tokens, s.top_k) == ("slem", 4, 5)
     assert p.settings_of(chat()).temperature == 0.0  # the engine's defaults (greedy), not OpenAI's
@@ -61,18 +70,32 @@ def test_what_the_engine_cannot_honour_is_refused_by_name(fields, message):
 
 
 def test_no_op_values_of_unsupported_fields_pass():
-    chat(n=1, logprobs=False, presence_penalty=0, tools=[], tool_choice="none", user="u", metadata={"a": "b"},
-         response_format={"type": "text"})  # fmt: skip
+    chat(
+        n=1,
+        logprobs=False,
+        presence_penalty=0,
+        tools=[],
+        tool_choice="none",
+        user="u",
+        metadata={"a": "b"},
+        response_format={"type": "text"},
+    )
 
 
 def test_messages_and_prompts():
-    req = chat(messages=[{"role": "developer", "content": "be brief"},
-                         {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}])
+    req = chat(
+        messages=[
+            {"role": "developer", "content": "be brief"},
+            {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
+        ]
+    )
     assert p.chat_messages(req) == [{"role": "system", "content": "be brief"}, {"role": "user", "content": "ab"}]
-    for messages, message in [([{"role": "user", "content": "hi", "name": "x"}], "'name' not supported"),
-                              ([{"role": "tool", "content": "x"}], "tool and function calling"),
-                              ([{"role": "user", "content": [{"type": "image_url"}]}], "only text"),
-                              ([{"role": "assistant", "content": "x"}], "the last message must be the user's")]:
+    for messages, message in [
+        ([{"role": "user", "content": "hi", "name": "x"}], "'name' not supported"),
+        ([{"role": "tool", "content": "x"}], "tool and function calling"),
+        ([{"role": "user", "content": [{"type": "image_url"}]}], "only text"),
+        ([{"role": "assistant", "content": "x"}], "the last message must be the user's"),
+    ]:
         with pytest.raises(p.APIError, match=message):
             p.chat_messages(chat(messages=messages))
     completion = p.parse(p.CompletionRequest, {"model": "m", "prompt": ["once"]})

@@ -21,36 +21,64 @@ from usd.settings import (
 
 def test_defaults():
     s = GenerationSettings()
-    assert (s.algorithm, s.draft_tokens, s.temperature, s.top_p, s.top_k, s.seed, s.max_new_tokens, s.stop_strings) \
-        == ("auto", "auto", 0.0, 1.0, 0, None, DEFAULT_MAX_NEW_TOKENS, ())  # fmt: skip
+    assert (s.algorithm, s.draft_tokens, s.temperature, s.top_p, s.top_k, s.seed, s.max_new_tokens, s.stop_strings) == (
+        "auto",
+        "auto",
+        0.0,
+        1.0,
+        0,
+        None,
+        DEFAULT_MAX_NEW_TOKENS,
+        (),
+    )
     assert ALGORITHMS == ("auto", "tli", "slem", "standard", "none")
     assert get_args(Precision) == PRECISIONS
 
 
 def test_what_users_send_is_read_as_numbers():
-    s = GenerationSettings(algorithm=" slem ", draft_tokens="4", temperature="0.7", top_p="0.9", top_k="20",
-                           seed=str(SEED_MAX), max_new_tokens=64.0)  # fmt: skip
-    assert (s.algorithm, s.draft_tokens, s.temperature, s.top_p, s.top_k, s.seed, s.max_new_tokens) \
-        == ("slem", 4, 0.7, 0.9, 20, SEED_MAX, 64)  # fmt: skip
+    s = GenerationSettings(
+        algorithm=" slem ",
+        draft_tokens="4",
+        temperature="0.7",
+        top_p="0.9",
+        top_k="20",
+        seed=str(SEED_MAX),
+        max_new_tokens=64.0,
+    )
+    assert (s.algorithm, s.draft_tokens, s.temperature, s.top_p, s.top_k, s.seed, s.max_new_tokens) == (
+        "slem",
+        4,
+        0.7,
+        0.9,
+        20,
+        SEED_MAX,
+        64,
+    )
     blank = GenerationSettings(algorithm="", draft_tokens=None, temperature=" ", seed="", stop_strings=None)
     assert blank == GenerationSettings()
 
 
-@pytest.mark.parametrize(("values", "message"), [
-    ({"algorithm": "fast"}, "unknown algorithm 'fast'; choose one of auto, tli, slem, standard, none"),
-    ({"draft_tokens": 0}, "draft tokens must be auto or a whole number from 1 to 16, got 0 (to decode without a "
-                          "drafter, use algorithm none)"),
-    ({"temperature": 5.5}, "temperature must be a number from 0 (greedy) to 5, got 5.5"),
-    ({"temperature": float("nan")}, "temperature must be a number from 0 (greedy) to 5, got nan"),
-    ({"top_p": 1.5}, "top-p must be a number above 0 and at most 1, got 1.5"),
-    ({"top_k": 2.5}, "top-k must be a whole number from 0 to 1,048,576, got 2.5"),
-    ({"seed": SEED_MAX + 1}, f"seed must be a whole number from 0 to {SEED_MAX:,}, got {SEED_MAX + 1}"),
-    ({"max_new_tokens": True}, "max new tokens must be a whole number from 1 to 4,096, got True"),
-    ({"stop_strings": [1]}, "stop strings must be a list of texts, got [1]"),
-    ({"temprature": 1}, "unknown setting 'temprature'; the settings are algorithm, draft_tokens, temperature"),
-    # several problems: the first, in field order
-    ({"max_new_tokens": 0, "temperature": -1}, "temperature must be a number from 0 (greedy) to 5, got -1"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("values", "message"),
+    [
+        ({"algorithm": "fast"}, "unknown algorithm 'fast'; choose one of auto, tli, slem, standard, none"),
+        (
+            {"draft_tokens": 0},
+            "draft tokens must be auto or a whole number from 1 to 16, got 0 (to decode without a "
+            "drafter, use algorithm none)",
+        ),
+        ({"temperature": 5.5}, "temperature must be a number from 0 (greedy) to 5, got 5.5"),
+        ({"temperature": float("nan")}, "temperature must be a number from 0 (greedy) to 5, got nan"),
+        ({"top_p": 1.5}, "top-p must be a number above 0 and at most 1, got 1.5"),
+        ({"top_k": 2.5}, "top-k must be a whole number from 0 to 1,048,576, got 2.5"),
+        ({"seed": SEED_MAX + 1}, f"seed must be a whole number from 0 to {SEED_MAX:,}, got {SEED_MAX + 1}"),
+        ({"max_new_tokens": True}, "max new tokens must be a whole number from 1 to 4,096, got True"),
+        ({"stop_strings": [1]}, "stop strings must be a list of texts, got [1]"),
+        ({"temprature": 1}, "unknown setting 'temprature'; the settings are algorithm, draft_tokens, temperature"),
+        # several problems: the first, in field order
+        ({"max_new_tokens": 0, "temperature": -1}, "temperature must be a number from 0 (greedy) to 5, got -1"),
+    ],
+)
 def test_one_plain_message_per_problem(values, message):
     with pytest.raises(ValueError, match=re.escape(message)) as e:
         GenerationSettings(**values)
@@ -74,7 +102,8 @@ def test_replace_checks_again_and_settings_are_frozen():
 
 
 def test_sampling_params_come_from_the_settings_and_share_their_checks():
-    assert GenerationSettings(temperature=0.7, top_k=5, top_p=0.9, seed=3).sampling_params() \
-        == SamplingParams(temperature=0.7, top_k=5, top_p=0.9, seed=3)  # fmt: skip
+    assert GenerationSettings(temperature=0.7, top_k=5, top_p=0.9, seed=3).sampling_params() == SamplingParams(
+        temperature=0.7, top_k=5, top_p=0.9, seed=3
+    )
     with pytest.raises(ValueError, match=re.escape("top-k must be a whole number from 0 to 1,048,576, got -1")):
         SamplingParams(top_k=-1)

@@ -139,8 +139,15 @@ def test_package_that_does_not_exist(fresh_cache, catalog):
 
 
 def _hub_entry(repo: str, **kw) -> ModelEntry:
-    return ModelEntry(name="hub-test", family="test", roles=["drafter"], source=HubSource(kind="hub", repo=repo, **kw),
-                      context_length=2048, license="mit", chat_template=False)  # fmt: skip
+    return ModelEntry(
+        name="hub-test",
+        family="test",
+        roles=["drafter"],
+        source=HubSource(kind="hub", repo=repo, **kw),
+        context_length=2048,
+        license="mit",
+        chat_template=False,
+    )
 
 
 @pytest.fixture()
@@ -209,8 +216,15 @@ def test_path_source_errors(tmp_path):
     from usd.catalog import PathSource
 
     def entry(p):
-        return ModelEntry(name="p", family="t", roles=["drafter"], source=PathSource(kind="path", path=str(p)),
-                          context_length=8, license="mit", chat_template=False)  # fmt: skip
+        return ModelEntry(
+            name="p",
+            family="t",
+            roles=["drafter"],
+            source=PathSource(kind="path", path=str(p)),
+            context_length=8,
+            license="mit",
+            chat_template=False,
+        )
 
     with pytest.raises(StoreError, match="does not exist"):
         pull(entry(tmp_path / "nothing"))

@@ -24,8 +24,15 @@ SHA = "0" * 64
 
 def _pypi_entry(name: str = "tiny", package: str = "llm-tiny", version: str = "1.0") -> ModelEntry:
     source = PypiSource(kind="pypi", packages=[{"name": package, "version": version}], files=["tiny.gguf"], sha256=SHA)
-    return ModelEntry(name=name, family="test", roles=["drafter"], source=source, context_length=64, license="mit",
-                      chat_template=False)  # fmt: skip
+    return ModelEntry(
+        name=name,
+        family="test",
+        roles=["drafter"],
+        source=source,
+        context_length=64,
+        license="mit",
+        chat_template=False,
+    )
 
 
 @pytest.fixture()
@@ -43,8 +50,10 @@ def _fake_pulled(entry: ModelEntry, manifest_text: str):
     return d
 
 
-@pytest.mark.parametrize("manifest", [[], {}, {"files": []}, {"files": {"config.json": "abc"}},
-                                      {"files": {"config.json": {"sha256": "x"}}}, "null", 3])  # fmt: skip
+@pytest.mark.parametrize(
+    "manifest",
+    [[], {}, {"files": []}, {"files": {"config.json": "abc"}}, {"files": {"config.json": {"sha256": "x"}}}, "null", 3],
+)
 def test_manifest_of_the_wrong_shape_counts_as_missing_and_pull_repairs_it(cache, monkeypatch, manifest):
     entry = _pypi_entry()
     text = manifest if isinstance(manifest, str) else json.dumps(manifest)
@@ -62,8 +71,9 @@ def test_manifest_of_the_wrong_shape_counts_as_missing_and_pull_repairs_it(cache
 # --- package specs on pip's command line -----------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("spec", ["--index-url=http://evil.example/simple==1.0", "pkg==--pre", "pkg", "-e==1",
-                                  "pkg==1.0 --no-deps"])  # fmt: skip
+@pytest.mark.parametrize(
+    "spec", ["--index-url=http://evil.example/simple==1.0", "pkg==--pre", "pkg", "-e==1", "pkg==1.0 --no-deps"]
+)
 def test_pip_download_refuses_specs_that_are_not_name_and_version(tmp_path, monkeypatch, spec):
     ran = []
     monkeypatch.setattr(store.subprocess, "run", lambda cmd, **kw: ran.append(cmd))
@@ -106,8 +116,17 @@ def converted_tiny(cache):
     entry = _pypi_entry()
     d = store.model_dir(entry)
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
-                      num_key_value_heads=1, max_position_embeddings=64, eos_token_id=1, bos_token_id=None)  # fmt: skip
+    cfg = LlamaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=64,
+        eos_token_id=1,
+        bos_token_id=None,
+    )
     LlamaForCausalLM(cfg).save_pretrained(d)
     _tiny_tokenizer().save_pretrained(d)
     store._write_manifest(d, entry.name, store._source_key(entry))
@@ -217,10 +236,19 @@ def _start_interrupted_pull(tmp_path: Path, phase: str):
     fake.write_text(FAKE_PIP.format(python=sys.executable))
     fake.chmod(0o755)
     root = Path(__file__).resolve().parent.parent
-    env = {**os.environ, store.CACHE_ENV: str(cache), "MARKER": str(marker),
-           "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])}  # fmt: skip
-    proc = subprocess.Popen([sys.executable, "-c", DRIVER, str(fake), str(catalog), phase], env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    env = {
+        **os.environ,
+        store.CACHE_ENV: str(cache),
+        "MARKER": str(marker),
+        "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]),
+    }
+    proc = subprocess.Popen(
+        [sys.executable, "-c", DRIVER, str(fake), str(catalog), phase],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     deadline = time.monotonic() + 120
     while not (marker.exists() and marker.read_text() and list(cache.glob("tmp/tiny-*/*/*"))):
         assert proc.poll() is None, proc.communicate()
@@ -230,8 +258,10 @@ def _start_interrupted_pull(tmp_path: Path, phase: str):
     return proc, cache, marker.read_text()
 
 
-@pytest.mark.parametrize(("sig", "phase", "status"), [(signal.SIGTERM, "pip", 143), (signal.SIGTERM, "convert", 143),
-                                                      (signal.SIGINT, "pip", 130)])  # fmt: skip
+@pytest.mark.parametrize(
+    ("sig", "phase", "status"),
+    [(signal.SIGTERM, "pip", 143), (signal.SIGTERM, "convert", 143), (signal.SIGINT, "pip", 130)],
+)
 def test_an_interrupted_pull_leaves_nothing_behind(tmp_path, sig, phase, status):
     proc, cache, marker = _start_interrupted_pull(tmp_path, phase)
     if phase == "convert":
@@ -251,8 +281,12 @@ def test_an_interrupted_pull_leaves_nothing_behind(tmp_path, sig, phase, status)
 def test_stale_temporaries_are_swept_on_the_next_pull(cache, monkeypatch):
     from filelock import FileLock
 
-    stale = [cache / "tmp" / "tiny-abcd1234", cache / "models" / ".tiny.partial-abcd_234",
-             cache / "tmp" / "gone-model-x1y2z3w4", cache / "models" / ".gone-model.partial-x1y2z3w4"]  # fmt: skip
+    stale = [
+        cache / "tmp" / "tiny-abcd1234",
+        cache / "models" / ".tiny.partial-abcd_234",
+        cache / "tmp" / "gone-model-x1y2z3w4",
+        cache / "models" / ".gone-model.partial-x1y2z3w4",
+    ]
     busy = [cache / "tmp" / "busy-abcd1234", cache / "models" / ".busy.partial-abcd1234"]  # a pull still running
     kept = [cache / "models" / "other", cache / "tmp" / "notes"]  # not a temporary of a pull
     for d in stale + busy + kept:

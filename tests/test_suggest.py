@@ -22,9 +22,12 @@ from usd import suggest
 from usd.datasets import Prompt
 from usd.suggest import Acceptance, Measured, Model
 
-PROMPTS = [Prompt("a", prompt="def fibonacci(n):"), Prompt("b", prompt="The capital of France is"),
-           Prompt("c", prompt="Count: one two three"),
-           Prompt("d", messages=({"role": "user", "content": "Écrivez une phrase"},))]  # fmt: skip
+PROMPTS = [
+    Prompt("a", prompt="def fibonacci(n):"),
+    Prompt("b", prompt="The capital of France is"),
+    Prompt("c", prompt="Count: one two three"),
+    Prompt("d", messages=({"role": "user", "content": "Écrivez une phrase"},)),
+]
 
 
 @pytest.fixture(autouse=True)
@@ -64,16 +67,26 @@ def no_shared_vocabulary_drafter() -> Model:
     raw = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     raw.pre_tokenizer = pre_tokenizers.Whitespace()
     tok = PreTrainedTokenizerFast(tokenizer_object=raw, eos_token="</s>", unk_token="<unk>")
-    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                      num_attention_heads=2, num_key_value_heads=1, eos_token_id=0)  # fmt: skip
+    cfg = LlamaConfig(
+        vocab_size=len(tok),
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        eos_token_id=0,
+    )
     return Model("no-vocab", LlamaForCausalLM(cfg).eval(), tok, family="fake")
 
 
 def test_ranking_measures_tiny_drafters_and_puts_the_one_that_cannot_draft_last(tiny_tokenizers, one_thread):
     t_tok = tiny_tokenizers["target"]
     t_model, d_model = tiny_pair(t_tok, tiny_tokenizers["byte-level"], seed=0)
-    models = {"t": Model("t", t_model, t_tok), "bl": Model("bl", d_model, tiny_tokenizers["byte-level"], "tiny"),
-              "no-vocab": no_shared_vocabulary_drafter()}  # fmt: skip
+    models = {
+        "t": Model("t", t_model, t_tok),
+        "bl": Model("bl", d_model, tiny_tokenizers["byte-level"], "tiny"),
+        "no-vocab": no_shared_vocabulary_drafter(),
+    }
     loads = []
 
     def load(name):
@@ -172,8 +185,9 @@ def test_replay_acceptance_equals_generate_draft_tokens_1_on_the_real_pair(real_
             print(ref.prompt.id, algorithm, (got.accepted, got.drafted), (accepted, drafted), flush=True)
             assert ids == [t for t in ref.answer if t not in usd.Pair(target.model, target.tokenizer).eos_ids()]
             assert (got.accepted, got.drafted) == (accepted, drafted), (ref.prompt.id, algorithm)
-            totals[algorithm] = [x + y for x, y in zip(totals[algorithm], (got.accepted, got.drafted, accepted,
-                                                                            drafted), strict=True)]  # fmt: skip
+            totals[algorithm] = [
+                x + y for x, y in zip(totals[algorithm], (got.accepted, got.drafted, accepted, drafted), strict=True)
+            ]
     assert totals["tli"][1] > 30 and 0 < totals["tli"][0] < totals["tli"][1]
 
 
@@ -190,17 +204,33 @@ def test_pair_tab_ranking_handler_shows_table_chart_and_loadable_picks(catalog, 
     from app.ui import Handlers, build
 
     v = {k: 1.0 + 0.1 * k for k in range(1, 9)}
-    measured = [Measured("gemma-3-270m", family="gemma3", tokenizer="sentencepiece", shared=95934,
-                         shared_pct_target=63.1, alpha_ceiling=0.9, c=0.05, acceptance={"slem": Acceptance(7, 10)}),
-                Measured("smollm2-135m-instruct", c=0.9, acceptance={"tli": Acceptance(5, 10)}),
-                Measured("no-vocab", unavailable=dict.fromkeys(suggest.ALGORITHMS, "no"))]  # fmt: skip
+    measured = [
+        Measured(
+            "gemma-3-270m",
+            family="gemma3",
+            tokenizer="sentencepiece",
+            shared=95934,
+            shared_pct_target=63.1,
+            alpha_ceiling=0.9,
+            c=0.05,
+            acceptance={"slem": Acceptance(7, 10)},
+        ),
+        Measured("smollm2-135m-instruct", c=0.9, acceptance={"tli": Acceptance(5, 10)}),
+        Measured("no-vocab", unavailable=dict.fromkeys(suggest.ALGORITHMS, "no")),
+    ]
     seen = {}
 
     def fake_suggest(target, drafters, load, prompts, key, progress, **_):
         seen.update(target=target, drafters=drafters, key=key)
         progress(0.5, "measuring")
-        return {"target": target, "prompts": key, "machine": "here", "v": v, "step_s": 0.05,
-                "rows": suggest.rank(measured, v)}  # fmt: skip
+        return {
+            "target": target,
+            "prompts": key,
+            "machine": "here",
+            "v": v,
+            "step_s": 0.05,
+            "rows": suggest.rank(measured, v),
+        }
 
     monkeypatch.setattr(suggest, "suggest", fake_suggest)
     monkeypatch.setattr(suggest, "candidates", lambda cat, t: ["gemma-3-270m", "smollm2-135m-instruct", "no-vocab"])
@@ -208,8 +238,11 @@ def test_pair_tab_ranking_handler_shows_table_chart_and_loadable_picks(catalog, 
     pairs.allowed = [*pairs.allowed, "no-vocab"]
     h = Handlers(pairs)
     df, bars, pick, message = suggest_ui.rank_drafters(h, "qwen2.5-coder-0.5b-instruct", "", lambda *a, **k: None)
-    assert seen == {"target": "qwen2.5-coder-0.5b-instruct", "key": "code",
-                    "drafters": ["gemma-3-270m", "smollm2-135m-instruct", "no-vocab"]}  # fmt: skip
+    assert seen == {
+        "target": "qwen2.5-coder-0.5b-instruct",
+        "key": "code",
+        "drafters": ["gemma-3-270m", "smollm2-135m-instruct", "no-vocab"],
+    }
     assert list(df["drafter"]) == ["gemma-3-270m", "(plain decoding)", "smollm2-135m-instruct", "no-vocab"]
     assert df["expected speedup"].iloc[1] == "1.00" and "slower than plain" in df["note"].iloc[2]
     assert "cannot draft" in df["note"].iloc[3]

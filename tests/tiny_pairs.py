@@ -13,23 +13,32 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from usd.vocab import align
 
 
-def _config(tokenizer) -> LlamaConfig:
+def tiny_config(tokenizer) -> LlamaConfig:
     # eos as the tokenizer says (LlamaConfig's default id 2 is an ordinary token in most vocabularies)
-    return LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                       num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=256,
-                       tie_word_embeddings=False, eos_token_id=tokenizer.eos_token_id,
-                       bos_token_id=tokenizer.bos_token_id, pad_token_id=None)  # fmt: skip
+    return LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+        pad_token_id=None,
+    )
 
 
 @torch.no_grad()
 def tiny_pair(target_tokenizer, drafter_tokenizer, seed: int = 0, sharpness: float = 60.0, noise: float = 0.15):
     torch.manual_seed(seed)
-    target = LlamaForCausalLM(_config(target_tokenizer)).eval()
+    target = LlamaForCausalLM(tiny_config(target_tokenizer)).eval()
     # Weak attention makes the next token depend mostly on the last one (a near-bigram model), so two tokenizations
     # of the same text lead both models to similar distributions, as real models of one language do.
     for layer in target.model.layers:
         layer.self_attn.o_proj.weight.mul_(0.05)
-    drafter = LlamaForCausalLM(_config(drafter_tokenizer)).eval()
+    drafter = LlamaForCausalLM(tiny_config(drafter_tokenizer)).eval()
     drafter.model.layers.load_state_dict(target.model.layers.state_dict())
     drafter.model.norm.load_state_dict(target.model.norm.state_dict())
     if drafter_tokenizer is target_tokenizer:

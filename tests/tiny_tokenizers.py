@@ -88,8 +88,13 @@ def byte_level(merges: int = 300, text: str = TEXT) -> PreTrainedTokenizerFast:
     raw = Tokenizer(models.BPE())
     raw.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     raw.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=256 + merges, min_frequency=1, show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), special_tokens=[])  # fmt: skip
+    trainer = trainers.BpeTrainer(
+        vocab_size=256 + merges,
+        min_frequency=1,
+        show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        special_tokens=[],
+    )
     raw.train_from_iterator(text.splitlines(keepends=True), trainer=trainer)
     raw.add_special_tokens(CHATML)
     return _wrap(raw, eos_token="<|im_end|>", pad_token="<|endoftext|>")
@@ -105,8 +110,9 @@ def sentencepiece(merges: int = 200, text: str = TEXT) -> PreTrainedTokenizerFas
     learner = Tokenizer(models.BPE())
     learner.normalizer = normalizer
     learner.pre_tokenizer = pre_tokenizers.Split(Regex(r"▁?[^▁]+|▁+"), behavior="isolated")
-    trainer = trainers.BpeTrainer(vocab_size=10_000, limit_alphabet=80, min_frequency=2, show_progress=False,
-                                  special_tokens=[])  # fmt: skip
+    trainer = trainers.BpeTrainer(
+        vocab_size=10_000, limit_alphabet=80, min_frequency=2, show_progress=False, special_tokens=[]
+    )
     learner.train_from_iterator(text.splitlines(keepends=True), trainer=trainer)
     spec = json.loads(learner.to_str())["model"]  # merges in the order learnt: keep the first `merges`
     pieces = sorted(spec["vocab"], key=spec["vocab"].get)
@@ -123,8 +129,9 @@ def sentencepiece(merges: int = 200, text: str = TEXT) -> PreTrainedTokenizerFas
     raw.pre_tokenizer = pre_tokenizers.Split(Regex(r"▁?[^▁]+|▁+"), behavior="isolated")
     raw.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()])
     raw.add_special_tokens(SP_SPECIALS)
-    raw.post_processor = processors.TemplateProcessing(single="<bos> $A", pair="<bos> $A $B",
-                                                       special_tokens=[("<bos>", vocab["<bos>"])])  # fmt: skip
+    raw.post_processor = processors.TemplateProcessing(
+        single="<bos> $A", pair="<bos> $A $B", special_tokens=[("<bos>", vocab["<bos>"])]
+    )
     return _wrap(raw, bos_token="<bos>", eos_token="<eos>", unk_token="<unk>", pad_token="<pad>")
 
 

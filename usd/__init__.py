@@ -12,10 +12,18 @@ import importlib
 __version__ = "0.1.0"
 
 _EXPORTS = {
-    "load_pair": "api", "stream": "api", "generate": "api", "Pair": "pair", "PromptError": "chat",
-    "LoadError": "loading", "GenerationSettings": "settings", "Round": "events", "Piece": "events",
-    "Finished": "events", "Stats": "events",
-}  # fmt: skip
+    "load_pair": "api",
+    "stream": "api",
+    "generate": "api",
+    "Pair": "pair",
+    "PromptError": "chat",
+    "LoadError": "loading",
+    "GenerationSettings": "settings",
+    "Round": "events",
+    "Piece": "events",
+    "Finished": "events",
+    "Stats": "events",
+}
 __all__ = sorted(_EXPORTS)
 
 

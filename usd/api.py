@@ -1,22 +1,23 @@
 """The Python API: load a pair, stream a generation's events, or generate and take the result.
 
-    import usd
-    pair = usd.load_pair("qwen2.5-coder-0.5b-instruct", "smollm2-135m-instruct")
-    for event in usd.stream(pair, "def fibonacci(n):", max_new_tokens=64):
-        ...  # a Round per target forward, then a Finished
-    done = usd.generate(pair, messages=[{"role": "user", "content": "Hi!"}], temperature=0.7, seed=1)
-    print(done.text, done.stats.acceptance_rate)
-    creative = usd.GenerationSettings(temperature=0.9, top_p=0.95)  # checked once, reused
-    done = usd.generate(pair, "Once upon a time", settings=creative, seed=2)
+import usd
+pair = usd.load_pair("qwen2.5-coder-0.5b-instruct", "smollm2-135m-instruct")
+for event in usd.stream(pair, "def fibonacci(n):", max_new_tokens=64):
+    ...  # a Round per target forward, then a Finished
+done = usd.generate(pair, messages=[{"role": "user", "content": "Hi!"}], temperature=0.7, seed=1)
+print(done.text, done.stats.acceptance_rate)
+creative = usd.GenerationSettings(temperature=0.9, top_p=0.95)  # checked once, reused
+done = usd.generate(pair, "Once upon a time", settings=creative, seed=2)
 """
 
 from __future__ import annotations
 
 import threading
 from collections.abc import Iterator
+from typing import Literal
 
 from . import chat, decoder, numerics, suggest
-from .catalog import Catalog, load_catalog
+from .catalog import Catalog, Precision, load_catalog
 from .events import Finished, Round
 from .loading import entry_for, load_model
 from .pair import Pair
@@ -25,12 +26,12 @@ from .settings import GenerationSettings
 
 def load_pair(
     target: str | None = None,
-    drafter: str | bool | None = None,
+    drafter: str | Literal[False] | None = None,
     *,
     catalog: Catalog | None = None,
     device: str | None = None,
-    precision: str | None = None,
-    drafter_precision: str | None = None,
+    precision: Precision | None = None,
+    drafter_precision: Precision | None = None,
     log=print,
 ) -> Pair:
     """Load a target and a drafter (catalog names, local directories or hub ids; None = the catalog's default pair,
@@ -43,13 +44,23 @@ def load_pair(
     t = load_model(t_entry, device=device, precision=precision, catalog=catalog, log=log)
     d = None
     if drafter:
-        d = load_model(entry_for(drafter, catalog), device=device, precision=drafter_precision or precision,
-                       catalog=catalog, log=log)  # fmt: skip
-    limits = [getattr(t.model.config, "max_position_embeddings", None), t_entry.context_length]
-    limits = [n for n in limits if n]
-    return Pair(t.model, t.tokenizer, d.model if d else None, d.tokenizer if d else None,
-                target_name=t.name, drafter_name=d.name if d else None,
-                context_length=min(limits) if limits else None)  # fmt: skip
+        d = load_model(
+            entry_for(drafter, catalog),
+            device=device,
+            precision=drafter_precision or precision,
+            catalog=catalog,
+            log=log,
+        )
+    limits = [n for n in (getattr(t.model.config, "max_position_embeddings", None), t_entry.context_length) if n]
+    return Pair(
+        t.model,
+        t.tokenizer,
+        d.model if d else None,
+        d.tokenizer if d else None,
+        target_name=t.name,
+        drafter_name=d.name if d else None,
+        context_length=min(limits) if limits else None,
+    )
 
 
 def stream(
@@ -76,8 +87,17 @@ def stream(
     rendering = chat.choose_rendering(pair.memory, drafter_rendering)
     t_ids, d_ids = chat.prompt_ids(pair, prompt, messages, rendering)
     check_context(pair, len(t_ids), s.max_new_tokens)
-    events = decoder.stream(pair, t_ids, d_ids, algorithm=s.algorithm, k=s.draft_tokens, params=s.sampling_params(),
-                            max_new_tokens=s.max_new_tokens, stop_strings=s.stop_strings, cancel=cancel)  # fmt: skip
+    events = decoder.stream(
+        pair,
+        t_ids,
+        d_ids,
+        algorithm=s.algorithm,
+        k=s.draft_tokens,
+        params=s.sampling_params(),
+        max_new_tokens=s.max_new_tokens,
+        stop_strings=s.stop_strings,
+        cancel=cancel,
+    )
     events = suggest.recording(pair, events, greedy=s.temperature == 0)  # what use shows refines `usd suggest`
     for event in events:
         if isinstance(event, Finished) and messages is not None and pair.drafter is not None:
@@ -96,11 +116,15 @@ def check_context(pair: Pair, prompt_tokens: int, max_new_tokens: int) -> None:
     limit = pair.context_length
     if limit and prompt_tokens + max_new_tokens > limit:
         if prompt_tokens >= limit:
-            raise ContextLengthError(f"the prompt is {prompt_tokens:,} tokens, longer than {pair.target_name}'s "
-                                     f"context of {limit:,} tokens; shorten it or start a new chat")  # fmt: skip
-        raise ContextLengthError(f"the prompt ({prompt_tokens:,} tokens) plus max new tokens ({max_new_tokens:,}) "
-                                 f"exceeds {pair.target_name}'s context of {limit:,} tokens; lower max new tokens to "
-                                 f"at most {limit - prompt_tokens:,} or shorten the prompt")  # fmt: skip
+            raise ContextLengthError(
+                f"the prompt is {prompt_tokens:,} tokens, longer than {pair.target_name}'s "
+                f"context of {limit:,} tokens; shorten it or start a new chat"
+            )
+        raise ContextLengthError(
+            f"the prompt ({prompt_tokens:,} tokens) plus max new tokens ({max_new_tokens:,}) "
+            f"exceeds {pair.target_name}'s context of {limit:,} tokens; lower max new tokens to "
+            f"at most {limit - prompt_tokens:,} or shorten the prompt"
+        )
 
 
 def generate(pair: Pair, prompt: str | None = None, **kwargs) -> Finished:
@@ -108,11 +132,19 @@ def generate(pair: Pair, prompt: str | None = None, **kwargs) -> Finished:
     done = None
     for event in stream(pair, prompt, **kwargs):
         done = event
+    assert isinstance(done, Finished)  # stream ends with its Finished
     return done
 
 
-def divergence(pair: Pair, answer_ids, position: int, prompt: str | None = None, *, messages: list[dict] | None = None,
-               chat_mode: bool = False) -> numerics.Divergence:  # fmt: skip
+def divergence(
+    pair: Pair,
+    answer_ids,
+    position: int,
+    prompt: str | None = None,
+    *,
+    messages: list[dict] | None = None,
+    chat_mode: bool = False,
+) -> numerics.Divergence:
     """Where two greedy answers to one prompt first differ at `position`: was it a near-tie of the target's two best
     tokens (rounding can swap them) or a real difference? `answer_ids` is either answer; the prompt as for `stream`."""
     if messages is None and chat_mode:

@@ -13,8 +13,10 @@ from typing import Annotated, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic_core import ErrorDetails
 
-Precision = Literal["nf4", "int8", "bf16", "fp16", "fp32"]
+Precision = Literal["nf4", "int8", "bf16", "fp16", "fp32", "gguf"]
+"""gguf: the model's GGUF file as it is, on llama.cpp (CPU), instead of transformers."""
 Role = Literal["target", "drafter"]
 
 USER_CATALOG_ENV = "USD_CHAT_MODELS"
@@ -101,7 +103,7 @@ Source = Annotated[PypiSource | HubSource | PathSource, Field(discriminator="kin
 
 class DevicePrecision(_Strict):
     cuda: Precision = "nf4"
-    cpu: Literal["bf16", "fp32"] = "bf16"
+    cpu: Literal["bf16", "fp32", "gguf"] = "bf16"
 
 
 class ModelEntry(_Strict):
@@ -247,7 +249,7 @@ def _entry_lines(text: str) -> list[int]:
     return []
 
 
-def _describe(data: dict, err: dict) -> str:
+def _describe(data: dict, err: ErrorDetails) -> str:
     """Turn one pydantic error into 'entry NAME, field a.b: message'."""
     loc = list(err["loc"])
     where = ""

@@ -50,25 +50,41 @@ def cmd_models(args) -> int:
     for m in catalog.models:
         path = local_path(m)
         plan = plan_load(m, device)
-        rows.append({
-            "name": m.name, "family": m.family, "roles": m.roles, "source": m.source.kind,
-            "params_b": m.params_b, "context_length": m.context_length, "license": m.license,
-            "chat_template": m.chat_template, "trust_remote_code": m.trust_remote_code,
-            "precision": plan.precision, "device": device, "estimate_gib": round(plan.estimate_bytes / 2**30, 2),
-            "ready": path is not None, "path": str(path) if path else None,
-            "default": m.name in (catalog.default.target, catalog.default.drafter),
-        })  # fmt: skip
+        rows.append(
+            {
+                "name": m.name,
+                "family": m.family,
+                "roles": m.roles,
+                "source": m.source.kind,
+                "params_b": m.params_b,
+                "context_length": m.context_length,
+                "license": m.license,
+                "chat_template": m.chat_template,
+                "trust_remote_code": m.trust_remote_code,
+                "precision": plan.precision,
+                "device": device,
+                "estimate_gib": round(plan.estimate_bytes / 2**30, 2),
+                "ready": path is not None,
+                "path": str(path) if path else None,
+                "default": m.name in (catalog.default.target, catalog.default.drafter),
+            }
+        )
     if args.json:
-        json.dump({"models": rows, "default": catalog.default.model_dump(),
-                   "pairs": [p.model_dump() for p in catalog.pairs]}, sys.stdout, indent=1)  # fmt: skip
+        json.dump(
+            {"models": rows, "default": catalog.default.model_dump(), "pairs": [p.model_dump() for p in catalog.pairs]},
+            sys.stdout,
+            indent=1,
+        )
         print()
         return 0
     print(f"{'name':32} {'family':10} {'roles':15} {'source':6} {'params':>7} {'precision':9} {'~GiB':>6}  ready")
     for r in rows:
         params = f"{r['params_b']:.2f}B" if r["params_b"] else "?"
         star = " (default)" if r["default"] else ""
-        print(f"{r['name']:32} {r['family']:10} {'/'.join(r['roles']):15} {r['source']:6} {params:>7} "
-              f"{r['precision']:9} {r['estimate_gib']:6.2f}  {'yes' if r['ready'] else 'no'}{star}")  # fmt: skip
+        print(
+            f"{r['name']:32} {r['family']:10} {'/'.join(r['roles']):15} {r['source']:6} {params:>7} "
+            f"{r['precision']:9} {r['estimate_gib']:6.2f}  {'yes' if r['ready'] else 'no'}{star}"
+        )
     print(f"\nprecision and memory are for this machine's device ({device}). Suggested pairs:")
     for p in catalog.pairs:
         print(f"  {p.target} + {p.drafter}: {p.why}")
@@ -92,14 +108,25 @@ def cmd_overlap(args) -> int:
         return 0
     print(f"target  {args.target}: {report['target_vocab']:,} tokens ({report['target_tokenizer']})")
     print(f"drafter {args.drafter}: {report['drafter_vocab']:,} tokens ({report['drafter_tokenizer']})")
-    print(f"shared (as raw bytes): {report['shared']:,}  = {report['shared_pct_target']:.1f}% of the target's, "
-          f"{report['shared_pct_drafter']:.1f}% of the drafter's vocabulary")  # fmt: skip
+    print(
+        f"shared (as raw bytes): {report['shared']:,}  = {report['shared_pct_target']:.1f}% of the target's, "
+        f"{report['shared_pct_drafter']:.1f}% of the drafter's vocabulary"
+    )
     print(f"shared without byte normalisation (identical spellings): {report['shared_without_normalisation']:,}")
+    print(
+        f"alpha ceiling for tli: {report['alpha_ceiling_tli']:.0%} (the share of the target's tokens, on sample code "
+        "and prose, that the shared vocabulary can spell; slem drafts free text and is not bound by it)"
+    )
     return 0
 
 
-_COLOURS = {"accepted": "\x1b[32m", "rejected": "\x1b[2;9;31m", "resampled": "\x1b[33m", "bonus": "\x1b[36m",
-            "target": ""}  # green, dim struck-through red, yellow, cyan, plain
+_COLOURS = {
+    "accepted": "\x1b[32m",
+    "rejected": "\x1b[2;9;31m",
+    "resampled": "\x1b[33m",
+    "bonus": "\x1b[36m",
+    "target": "",
+}  # green, dim struck-through red, yellow, cyan, plain
 _RESET = "\x1b[0m"
 
 
@@ -124,8 +151,10 @@ def _messages(path: str):
     try:
         return json.loads(text)
     except json.JSONDecodeError as e:
-        raise ValueError(f"{path} is not valid JSON: line {e.lineno} column {e.colno}: {e.msg}; "
-                         'it must hold a list like [{"role": "user", "content": "..."}]') from None  # fmt: skip
+        raise ValueError(
+            f"{path} is not valid JSON: line {e.lineno} column {e.colno}: {e.msg}; "
+            'it must hold a list like [{"role": "user", "content": "..."}]'
+        ) from None
 
 
 def _from_file(path: str, read, check):
@@ -150,9 +179,15 @@ def _generation_input(args) -> dict:
 
 def _settings(args) -> GenerationSettings:
     """The options as typed, checked by the settings model the API takes: the app's ranges and messages."""
-    settings = GenerationSettings(algorithm=args.algorithm, draft_tokens=args.draft_tokens,
-                                  temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
-                                  max_new_tokens=args.max_new_tokens)  # fmt: skip
+    settings = GenerationSettings(
+        algorithm=args.algorithm,
+        draft_tokens=args.draft_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        seed=args.seed,
+        max_new_tokens=args.max_new_tokens,
+    )
     if args.samples:  # seeds S..S+N-1, S = 0 without --seed: the last one is checked now too, not after loading
         first = settings.seed or 0
         try:
@@ -204,8 +239,14 @@ def cmd_generate(args) -> int:
     inputs = _generation_input(args)
     settings = _settings(args)
     _check_models(args, settings.algorithm, catalog)
-    pair = api.load_pair(args.target, args.drafter if settings.algorithm != "none" else False, catalog=catalog,
-                         device=args.device, precision=args.precision, log=_log)  # fmt: skip
+    pair = api.load_pair(
+        args.target,
+        args.drafter if settings.algorithm != "none" else False,
+        catalog=catalog,
+        device=args.device,
+        precision=args.precision,
+        log=_log,
+    )
     colour = sys.stdout.isatty() and not args.json
     results = []
     for i in range(args.samples or 1):
@@ -223,9 +264,12 @@ def cmd_generate(args) -> int:
         if not args.json:
             st = results[-1]["stats"]
             print()
-            print(f"[{st['algorithm']}: {st['tokens']} tokens in {st['wall_s']:.2f} s, {st['tokens_per_s']:.1f} "
-                  f"tokens/s, alpha {st['acceptance_rate']:.2f}, tau {st['tokens_per_round']:.2f}, "
-                  f"stopped: {st['stop_reason']}]", file=sys.stderr)  # fmt: skip
+            print(
+                f"[{st['algorithm']}: {st['tokens']} tokens in {st['wall_s']:.2f} s, {st['tokens_per_s']:.1f} "
+                f"tokens/s, alpha {st['acceptance_rate']:.2f}, tau {st['tokens_per_round']:.2f}, "
+                f"stopped: {st['stop_reason']}]",
+                file=sys.stderr,
+            )
     if args.json:
         out = {"samples": results} if args.samples else results[0]
         print(json.dumps(out, ensure_ascii=False))
@@ -233,7 +277,7 @@ def cmd_generate(args) -> int:
 
 
 def cmd_bench(args) -> int:
-    from .bench import run_cli
+    from .bench.run import run_cli
 
     return run_cli(args, _catalog(args))
 
@@ -245,7 +289,7 @@ def cmd_suggest(args) -> int:
 
 
 def cmd_project(args) -> int:
-    from .projection import run_cli
+    from .bench.projection import run_cli
 
     return run_cli(args)
 
@@ -266,8 +310,11 @@ def _config_vocab(path) -> int | None:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="usd", description="Universal speculative decoding: lossless, any pair.")
-    parser.add_argument("--catalog", metavar="FILE", help="a file of your own model entries, merged over models.yaml "
-                        "(default: $USD_CHAT_MODELS)")  # fmt: skip
+    parser.add_argument(
+        "--catalog",
+        metavar="FILE",
+        help="a file of your own model entries, merged over models.yaml (default: $USD_CHAT_MODELS)",
+    )
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("pull", help="fetch, verify and convert models (idempotent)")
@@ -291,8 +338,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--drafter", help="catalog name, local directory or hub id (default: the catalog's default)")
     # the settings stay text here: GenerationSettings reads and checks them, with the app's ranges and messages
     p.add_argument("--algorithm", metavar=f"{{{','.join(ALGORITHMS)}}}", help="default: auto (picks per round)")
-    p.add_argument("--draft-tokens", metavar="{K,auto}",
-                   help=f"draft length per round, 1-{DRAFT_TOKENS_MAX}, or auto to adapt it (default)")  # fmt: skip
+    p.add_argument(
+        "--draft-tokens",
+        metavar="{K,auto}",
+        help=f"draft length per round, 1-{DRAFT_TOKENS_MAX}, or auto to adapt it (default)",
+    )
     p.add_argument("--temperature", help=f"0 = greedy (default), up to {TEMPERATURE_MAX:g}")
     p.add_argument("--top-p", help="above 0, at most 1 (default: 1, off)")
     p.add_argument("--top-k", help="0 = off (default)")
@@ -306,10 +356,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--samples", type=_at_least_one, metavar="N", help="N independent generations, seeds S..S+N-1")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
     p.add_argument("--device", choices=["cpu", "cuda"], help="default: cuda when present")
-    p.add_argument("--precision", choices=PRECISIONS, help="override the catalog's precision for both models")
+    p.add_argument(
+        "--precision",
+        choices=PRECISIONS,
+        help="override the catalog's precision for both models (gguf: the GGUF on llama.cpp)",
+    )
     p.set_defaults(func=cmd_generate)
 
-    from .bench import add_arguments
+    from .bench.run import add_arguments
 
     p = sub.add_parser("bench", help="all algorithms side by side on a prompt set, with speedups and identity")
     add_arguments(p)
@@ -321,7 +375,7 @@ def build_parser() -> argparse.ArgumentParser:
     suggest_arguments(p)
     p.set_defaults(func=cmd_suggest)
 
-    from .projection import add_arguments as project_arguments
+    from .bench.projection import add_arguments as project_arguments
 
     p = sub.add_parser("project", help="expected speedup over k on profiled hardware (theory + measured c and v)")
     project_arguments(p)

@@ -38,6 +38,9 @@ def machine_key() -> str:
 class OneDNNLinear(torch.nn.Module):
     """A Linear layer whose weight is held in oneDNN's blocked layout and multiplied by oneDNN."""
 
+    weight: torch.Tensor  # buffers (register_buffer), declared for the type checker
+    bias: torch.Tensor | None
+
     def __init__(self, dense: torch.nn.Linear):
         super().__init__()
         self.in_features, self.out_features = dense.in_features, dense.out_features
@@ -58,9 +61,10 @@ class OneDNNLinear(torch.nn.Module):
         return dense
 
 
-def _linears(model) -> list[tuple[str, torch.nn.Module]]:
-    return [(name, m) for name, m in model.named_modules()
-            if type(m) is torch.nn.Linear and m.weight.dtype == torch.float32]  # fmt: skip
+def _linears(model) -> list[tuple[str, torch.nn.Linear]]:
+    return [
+        (name, m) for name, m in model.named_modules() if type(m) is torch.nn.Linear and m.weight.dtype == torch.float32
+    ]
 
 
 def _best_time(fn, x) -> float:
@@ -76,14 +80,18 @@ def _best_time(fn, x) -> float:
 def measure(model) -> dict:
     """Seconds per forward of every Linear, default and oneDNN, at the decoding row counts: one layer of each shape
     is timed (interleaved, the fastest of a few runs) and counted as often as the shape occurs."""
-    shapes = Counter((m.in_features, m.out_features, m.bias is not None) for _, m in _linears(model))
+    counts: Counter = Counter()
+    first: dict[tuple, torch.nn.Linear] = {}  # one layer of each shape, found in the same pass that counts them
+    for _, m in _linears(model):
+        shape = (m.in_features, m.out_features, m.bias is not None)
+        counts[shape] += 1
+        first.setdefault(shape, m)
     total = {"default": 0.0, "onednn": 0.0}
-    for (n_in, n_out, bias), count in shapes.items():
-        layer = next(m for _, m in _linears(model) if (m.in_features, m.out_features, m.bias is not None)
-                     == (n_in, n_out, bias))  # fmt: skip
+    for shape, layer in first.items():
+        count = counts[shape]
         fast = OneDNNLinear(layer)
         for rows in ROWS:
-            x = torch.randn(1, rows, n_in)
+            x = torch.randn(1, rows, layer.in_features)
             layer(x), fast(x)  # warm both
             total["default"] += count * _best_time(layer, x)
             total["onednn"] += count * _best_time(fast, x)
@@ -129,8 +137,10 @@ def choose_linear_backend(model, model_name: str, cache_dir: Path | None, log=pr
         known[key] = {"backend": "onednn" if t["onednn"] < MARGIN * t["default"] else "default", **t}
         _write(cache, known)
     choice = known[key]
-    log(f"{model_name}: fp32 Linear layers on {choice['backend']} (measured here: default "
-        f"{choice['default'] * 1e3:.1f} ms, oneDNN {choice['onednn'] * 1e3:.1f} ms per 1- and 5-row pass)")
+    log(
+        f"{model_name}: fp32 Linear layers on {choice['backend']} (measured here: default "
+        f"{choice['default'] * 1e3:.1f} ms, oneDNN {choice['onednn'] * 1e3:.1f} ms per 1- and 5-row pass)"
+    )
     if choice["backend"] == "onednn":
         use_onednn(model)
     return choice["backend"]

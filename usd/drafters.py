@@ -41,8 +41,9 @@ def _confidence(logits: torch.Tensor) -> float:
     return float(logits.softmax(-1).max())
 
 
-def draft_tokens(pair: Pair, drafter: Context, k: int, params: SamplingParams, g, eos: set[int],
-                 min_confidence: float = 0.0) -> Draft:  # fmt: skip
+def draft_tokens(
+    pair: Pair, drafter: Context, k: int, params: SamplingParams, g, eos: set[int], min_confidence: float = 0.0
+) -> Draft:
     """standard and tli: sample the drafter with its logits outside the shared vocabulary I masked, so q lives on I
     and each proposal is a target id; with identical tokenizers I is the whole vocabulary."""
     d_ids, t_ids, vocab_t = pair.intersection()
@@ -136,13 +137,17 @@ def encode_bytes(pair: Pair, data: bytes) -> list[int]:
     """The drafter's tokens for `data`, whatever bytes it holds: text through its tokenizer, each invalid byte as the
     drafter's own token for that byte, so its context spells the committed text exactly and stays in step with it.
     A valid incomplete character at the end waits for its rest."""
+    tokenizer = pair.drafter_tokenizer
+    assert tokenizer is not None  # only called to follow a drafter (sync_drafter), which comes with its tokenizer
     ids = []
     for run in split_utf8(data):
         if isinstance(run, str):
-            ids += pair.drafter_tokenizer.encode(run, add_special_tokens=False)
+            ids += tokenizer.encode(run, add_special_tokens=False)
         else:  # a drafter without a token for some byte sees U+FFFD there, and resyncs from it each round
             byte_ids = pair.drafter_byte_ids()
-            ids += [byte_ids[b] for b in run] if all(b in byte_ids for b in run) else pair.drafter_tokenizer.encode(
-                "\ufffd", add_special_tokens=False)
+            ids += (
+                [byte_ids[b] for b in run]
+                if all(b in byte_ids for b in run)
+                else tokenizer.encode("\ufffd", add_special_tokens=False)
+            )
     return ids
-

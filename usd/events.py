@@ -51,7 +51,8 @@ class Stats:
     accepted: int
     tokens: int
     wall_s: float
-    stop_reason: str
+    stop_reason: str | None
+    """eos, stop_string, max_tokens or cancelled; None in the live stats of a Round, before the answer has stopped."""
     c: float | None
     """Drafter step time / target single-token step time."""
     v: float | None
@@ -98,14 +99,26 @@ class Stats:
 
     def as_dict(self) -> dict:
         return {
-            "algorithm": self.algorithm, "rounds": self.rounds, "drafted": self.drafted, "accepted": self.accepted,
-            "tokens": self.tokens, "acceptance_rate": self.acceptance_rate, "tokens_per_round": self.tokens_per_round,
-            "wall_s": self.wall_s, "tokens_per_s": self.tokens_per_s, "stop_reason": self.stop_reason,
-            "c": self.c, "v": self.v, "mean_k": self.mean_k, "theoretical_speedup": self.theoretical_speedup,
-            "rounds_by_algorithm": dict(self.rounds_by_algorithm), "forward_s": self.forward_s,
-            "overhead_share": self.overhead_share, "drafting_stopped": self.drafting_stopped,
+            "algorithm": self.algorithm,
+            "rounds": self.rounds,
+            "drafted": self.drafted,
+            "accepted": self.accepted,
+            "tokens": self.tokens,
+            "acceptance_rate": self.acceptance_rate,
+            "tokens_per_round": self.tokens_per_round,
+            "wall_s": self.wall_s,
+            "tokens_per_s": self.tokens_per_s,
+            "stop_reason": self.stop_reason,
+            "c": self.c,
+            "v": self.v,
+            "mean_k": self.mean_k,
+            "theoretical_speedup": self.theoretical_speedup,
+            "rounds_by_algorithm": dict(self.rounds_by_algorithm),
+            "forward_s": self.forward_s,
+            "overhead_share": self.overhead_share,
+            "drafting_stopped": self.drafting_stopped,
             "step_s": self.step_s,
-        }  # fmt: skip
+        }
 
 
 @dataclass(frozen=True)

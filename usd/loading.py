@@ -2,11 +2,13 @@
 
 On CUDA the entry's precision applies (4-bit NF4 with bf16 compute and double quantization by default, or 8-bit, or
 bf16) through bitsandbytes with `device_map="auto"`, so a big target spreads over every visible GPU. On a CPU,
-bitsandbytes is not used: bf16 where the CPU has native bf16 arithmetic, float32 elsewhere.
+bitsandbytes is not used: bf16 where the CPU has native bf16 arithmetic, float32 elsewhere. Precision `gguf` runs the
+model's GGUF file as it is on llama.cpp, on the CPU (`usd.llamacpp`); the tokenizer comes from transformers as always.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import platform
 import re
@@ -15,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .catalog import Catalog, HubSource, ModelEntry, PathSource, Precision, load_catalog
+from .catalog import Catalog, DevicePrecision, HubSource, ModelEntry, PathSource, Precision, load_catalog
 from .store import StoreError, cache_dir, local_path, pull
 
 GiB = 1 << 30
@@ -99,12 +101,29 @@ def available_bytes(device: str) -> int | None:
         return None
 
 
+_GGUF_NOTE = "the GGUF's own quantized weights on llama.cpp (CPU), not converted."
+
+
 def choose_precision(entry: ModelEntry, device: str, precision: Precision | None = None) -> tuple[Precision, str]:
+    from . import llamacpp
+
+    if (precision or (entry.precision.cuda if device == "cuda" else entry.precision.cpu)) == "gguf":
+        if llamacpp.available():
+            return "gguf", f"gguf: {_GGUF_NOTE}"
+        if precision == "gguf":
+            raise LoadError(llamacpp.INSTALL_HINT)
+        # the catalog's choice, not the user's: run it on transformers rather than not at all
+        chosen, note = choose_precision(entry.model_copy(update={"precision": DevicePrecision(cpu="bf16")}), "cpu")
+        return chosen, f"{note} (The catalog runs it on llama.cpp, but llama-cpp-python is not installed.)"
     if device == "cuda":
         chosen = precision or entry.precision.cuda
-        return chosen, {"nf4": "4-bit NF4 (bitsandbytes, bf16 compute, double quantization).",
-                        "int8": "8-bit (bitsandbytes LLM.int8).", "bf16": "bf16, not quantized.",
-                        "fp16": "fp16, not quantized.", "fp32": "float32, not quantized."}[chosen]  # fmt: skip
+        return chosen, {
+            "nf4": "4-bit NF4 (bitsandbytes, bf16 compute, double quantization).",
+            "int8": "8-bit (bitsandbytes LLM.int8).",
+            "bf16": "bf16, not quantized.",
+            "fp16": "fp16, not quantized.",
+            "fp32": "float32, not quantized.",
+        }[chosen]
     if precision in ("nf4", "int8"):
         raise LoadError(
             f"{precision} needs a CUDA GPU (bitsandbytes quantized kernels); this machine has none. "
@@ -168,8 +187,8 @@ def count_params(config) -> tuple[int, int]:
 def _kv_bytes(config, tokens: int, bytes_per: int) -> int:
     text = config.get_text_config()
     layers = getattr(text, "num_hidden_layers", 0)
-    heads = getattr(text, "num_key_value_heads", None) or getattr(text, "num_attention_heads", 0)
-    head_dim = getattr(text, "head_dim", None) or (text.hidden_size // max(1, text.num_attention_heads))
+    heads = getattr(text, "num_key_value_heads", 0) or getattr(text, "num_attention_heads", 0)
+    head_dim = getattr(text, "head_dim", 0) or (text.hidden_size // max(1, text.num_attention_heads))
     return 2 * layers * heads * head_dim * tokens * bytes_per
 
 
@@ -177,6 +196,14 @@ def estimate_bytes(entry: ModelEntry, precision: Precision, device: str, config=
     """Weights at `precision` plus a 4k-token KV cache plus runtime overhead. From the config when we have it,
     else from the catalog's params_b (assuming 90% of the weights sit in quantizable Linear layers)."""
     compute = 4 if precision == "fp32" else 2
+    if precision == "gguf":  # the file as it is, mapped, plus llama.cpp's f16 cache and its buffers
+        weights = getattr(entry.source, "size", None) or 0.6e9 * (entry.params_b or 0)
+        from .llamacpp import N_CTX_CAP
+
+        kv = _kv_bytes(config, min(N_CTX_CAP, entry.context_length), 2) if config is not None else 0
+        return int(weights + kv + _RUNTIME_OVERHEAD["cpu"]) if weights else 0
+    linear: float
+    other: float
     if config is not None:
         linear, other = count_params(config)
         kv = _kv_bytes(config, min(_KV_TOKENS, entry.context_length), compute)
@@ -194,6 +221,8 @@ def plan_load(
 ) -> LoadPlan:
     device = device or default_device()
     chosen, note = choose_precision(entry, device, precision)
+    if chosen == "gguf":
+        device = "cpu"
     if config is None:
         config = _local_config(entry)
     return LoadPlan(device, chosen, note, estimate_bytes(entry, chosen, device, config), available_bytes(device))
@@ -234,14 +263,26 @@ def entry_for(spec: str, catalog: Catalog | None = None, allow_unlisted: bool = 
             )
         name = re.sub(r"[^a-z0-9._-]+", "-", p.stem.lower()).strip("-") or "local"
         has_template = p.is_dir() and ((p / "chat_template.jinja").is_file() or "chat_template" in _tok_config(p))
-        return ModelEntry(name=f"local-{name}", family="local", roles=["target", "drafter"],
-                          source=PathSource(kind="path", path=str(p.resolve())), context_length=ctx,
-                          license="unknown", chat_template=has_template)  # fmt: skip
+        return ModelEntry(
+            name=f"local-{name}",
+            family="local",
+            roles=["target", "drafter"],
+            source=PathSource(kind="path", path=str(p.resolve())),
+            context_length=ctx,
+            license="unknown",
+            chat_template=has_template,
+        )
     if _HUB_ID.match(spec):
         name = re.sub(r"[^a-z0-9._-]+", "-", spec.lower().replace("/", "--"))
-        return ModelEntry(name=f"hub-{name}", family="hub", roles=["target", "drafter"],
-                          source=HubSource(kind="hub", repo=spec), context_length=2048, license="unknown",
-                          chat_template=False)  # fmt: skip
+        return ModelEntry(
+            name=f"hub-{name}",
+            family="hub",
+            roles=["target", "drafter"],
+            source=HubSource(kind="hub", repo=spec),
+            context_length=2048,
+            license="unknown",
+            chat_template=False,
+        )
     raise LoadError(
         f"{spec!r} is not a catalog model, an existing path, or a hub repo id (owner/name). "
         "`usd models` lists the catalog."
@@ -263,8 +304,9 @@ def _dir_config(p: Path) -> dict:
     except UnicodeDecodeError as e:
         raise LoadError(f"{f} is not UTF-8 text (byte {e.start}); fix the file or copy the model again") from None
     except json.JSONDecodeError as e:
-        raise LoadError(f"{f} is not valid JSON: line {e.lineno} column {e.colno}: {e.msg}; "
-                        "fix the file or copy the model again") from None  # fmt: skip
+        raise LoadError(
+            f"{f} is not valid JSON: line {e.lineno} column {e.colno}: {e.msg}; fix the file or copy the model again"
+        ) from None
     except OSError as e:
         raise LoadError(f"cannot read {f}: {e.strerror}") from None
     if not isinstance(cfg, dict):
@@ -281,12 +323,16 @@ def check_local_dir(entry: ModelEntry) -> None:
     if not p.is_dir():
         return  # a .gguf file: the store converts it and says what went wrong
     if not (p / "config.json").is_file():
-        raise LoadError(f"{p} has no config.json, so it is not a model directory in hub layout; "
-                        f"give a directory with {_NEEDS}, or a .gguf file")  # fmt: skip
+        raise LoadError(
+            f"{p} has no config.json, so it is not a model directory in hub layout; "
+            f"give a directory with {_NEEDS}, or a .gguf file"
+        )
     _dir_config(p)
     if not any(next(p.glob(pattern), None) for pattern in _WEIGHTS):
-        raise LoadError(f"{p} has config.json but no weights (*.safetensors / pytorch_model*.bin); copy the weight "
-                        "files in, or give a complete model directory")  # fmt: skip
+        raise LoadError(
+            f"{p} has config.json but no weights (*.safetensors / pytorch_model*.bin); copy the weight "
+            "files in, or give a complete model directory"
+        )
 
 
 def _tok_config(p: Path) -> dict:
@@ -352,6 +398,8 @@ def load_model(
             kwargs["quantization_config"] = quant
     # before the weights: a missing tokenizer then fails in seconds, not after a load that can take minutes
     tokenizer = load_tokenizer(entry, path)
+    if plan.precision == "gguf":
+        return LoadedModel(entry.name, _load_gguf(entry, path, log), tokenizer, plan, path, entry)
     try:
         with verifying(path, entry.name):  # pull only compared sizes and mtimes; the bytes are hashed as they load
             model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
@@ -365,8 +413,26 @@ def load_model(
     return LoadedModel(entry.name, model, tokenizer, plan, path, entry)
 
 
+def _load_gguf(entry: ModelEntry, path: Path, log):
+    """The model's GGUF on llama.cpp (usd.llamacpp), its bytes hashed against the manifest as they load."""
+    from transformers import GenerationConfig
+
+    from .llamacpp import LlamaCppModel, LlamaCppUnavailable
+    from .store import GGUF_NAME, gguf_file, verifying
+
+    try:
+        gguf = gguf_file(entry, log=log)
+        generation_config = (
+            GenerationConfig.from_pretrained(path) if (path / "generation_config.json").is_file() else None
+        )
+        with verifying(gguf.parent, entry.name, only=GGUF_NAME) if gguf.name == GGUF_NAME else contextlib.nullcontext():
+            return LlamaCppModel(gguf, n_ctx=entry.context_length, generation_config=generation_config, name=entry.name)
+    except (StoreError, LlamaCppUnavailable, RuntimeError) as e:
+        raise LoadError(f"{entry.name}: {e}") from None
+
+
 def _check_memory(entry: ModelEntry, plan: LoadPlan) -> None:
-    if plan.fits:
+    if plan.fits or plan.available_bytes is None:  # (unknown free memory: it fits)
         return
     quantizable = plan.device == "cuda" and plan.precision != "nf4"
     advice = "Try nf4, or a smaller model." if quantizable else "Pick a smaller model."

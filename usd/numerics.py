@@ -35,10 +35,14 @@ class Divergence:
 
     def explain(self) -> str:
         if self.near_tie:
-            return (f"a near-tie: the target's two best tokens there are {self.gap:.4g} logits apart, within "
-                    f"{self.dtype} rounding ({self.tolerance:.3g}); either token is the target's answer")
-        return (f"not a near-tie: the target's two best tokens there are {self.gap:.4g} logits apart, beyond "
-                f"{self.dtype} rounding ({self.tolerance:.3g}); this is a defect, please report it")
+            return (
+                f"a near-tie: the target's two best tokens there are {self.gap:.4g} logits apart, within "
+                f"{self.dtype} rounding ({self.tolerance:.3g}); either token is the target's answer"
+            )
+        return (
+            f"not a near-tie: the target's two best tokens there are {self.gap:.4g} logits apart, beyond "
+            f"{self.dtype} rounding ({self.tolerance:.3g}); this is a defect, please report it"
+        )
 
 
 def compute_dtype(model) -> torch.dtype:

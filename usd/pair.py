@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -80,6 +81,14 @@ def bytes_of(tb: TokenizerBytes, i: int) -> bytes:
     return b if b is not None else tb.specials.get(i, "").encode()
 
 
+def model_vocab_size(model) -> int:
+    """How many logits a model scores per position (its LM head's rows, which may exceed the tokenizer's vocabulary),
+    on either runner: a transformers model's output embeddings, else its config's vocab_size (llama.cpp's)."""
+    head = getattr(model, "get_output_embeddings", None)
+    head = head() if head is not None else None
+    return head.weight.shape[0] if head is not None else model.config.vocab_size
+
+
 def model_context_length(model) -> int | None:
     """The most positions a model's config says it takes (learned position tables end there), if it says."""
     cfg = getattr(model, "config", None)
@@ -98,10 +107,10 @@ class Pair:
     of each algorithm, which drafter prompt rendering was accepted more).
     """
 
-    target: object
-    target_tokenizer: object
-    drafter: object | None = None
-    drafter_tokenizer: object | None = None
+    target: Any
+    target_tokenizer: Any
+    drafter: Any | None = None
+    drafter_tokenizer: Any | None = None
     target_name: str = "target"
     drafter_name: str | None = None
     context_length: int | None = None
@@ -135,8 +144,7 @@ class Pair:
         """TLI's shared vocabulary I, built once per pair: (drafter ids in I, the target id of each, the target's
         vocabulary size). Several drafter ids may map to one target id."""
         if "map" not in self._cache:
-            vocab_t = self.target.get_output_embeddings().weight.shape[0]
-            vocab_d = self.drafter.get_output_embeddings().weight.shape[0]
+            vocab_t, vocab_d = model_vocab_size(self.target), model_vocab_size(self.drafter)
             if self.same_tokenizer:
                 d_ids = list(range(min(vocab_t, vocab_d)))
                 t_ids = d_ids
@@ -144,8 +152,7 @@ class Pair:
                 d2t = align(self.target_tokenizer, self.drafter_tokenizer).drafter_to_target
                 pairs = [(d, t) for d, t in d2t.items() if d < vocab_d and t < vocab_t]  # in id order: align's
                 d_ids, t_ids = [d for d, _ in pairs], [t for _, t in pairs]
-            self._cache["map"] = (torch.tensor(d_ids, dtype=torch.long), torch.tensor(t_ids, dtype=torch.long),
-                                  vocab_t)  # fmt: skip
+            self._cache["map"] = (torch.tensor(d_ids, dtype=torch.long), torch.tensor(t_ids, dtype=torch.long), vocab_t)
         return self._cache["map"]
 
     def drafter_byte_ids(self) -> dict[int, int]:

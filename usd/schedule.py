@@ -69,11 +69,11 @@ class CostModel:
         self.modes = memory.setdefault("modes", {})  # mode -> {"draft", "other", "hits", "trials", "rounds"}
 
     def _mode(self, mode: str) -> dict:
-        return self.modes.setdefault(mode, {"draft": [0.0, 0.0], "other": [0.0, 0.0], "hits": [0.0, 0.0],
-                                            "rounds": 0})  # fmt: skip
+        return self.modes.setdefault(mode, {"draft": [0.0, 0.0], "other": [0.0, 0.0], "hits": [0.0, 0.0], "rounds": 0})
 
-    def observe(self, mode: str, drafted: int, accepted: int, draft_s: float, draft_steps: int, verify_s: float,
-                other_s: float) -> None:  # fmt: skip
+    def observe(
+        self, mode: str, drafted: int, accepted: int, draft_s: float, draft_steps: int, verify_s: float, other_s: float
+    ) -> None:
         Mean.add(self.verify.setdefault(str(drafted + 1), [0.0, 0.0]), verify_s)
         m = self._mode(mode)
         m["rounds"] += 1
@@ -95,7 +95,8 @@ class CostModel:
 
     def V(self, n: int) -> float | None:
         """The target's forward over n positions: measured, interpolated, or extrapolated along the last slope."""
-        known = sorted((int(key), Mean.of(cell)) for key, cell in self.verify.items() if Mean.of(cell) is not None)
+        means = ((int(key), Mean.of(cell)) for key, cell in self.verify.items())
+        known = sorted((n_pos, t) for n_pos, t in means if t is not None)
         if not known:
             return None
         exact = dict(known)
@@ -201,8 +202,19 @@ class Schedule:
         overdue = [m for m in self.modes if m != best and self.since[m] >= self.gap.get(m, PROBE_EVERY)]
         return max(overdue, key=lambda m: self.since[m]) if overdue else best
 
-    def observe(self, mode: str, k: int, drafted: int, accepted: int, emitted: int, seconds: float, *,
-                draft_s: float = 0.0, draft_steps: int = 0, verify_s: float | None = None) -> None:  # fmt: skip
+    def observe(
+        self,
+        mode: str,
+        k: int,
+        drafted: int,
+        accepted: int,
+        emitted: int,
+        seconds: float,
+        *,
+        draft_s: float = 0.0,
+        draft_steps: int = 0,
+        verify_s: float | None = None,
+    ) -> None:
         """What the round cost and kept. Without the split of its time, all of it counts as the target forward."""
         self.round += 1
         for m in self.modes:

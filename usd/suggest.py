@@ -59,15 +59,17 @@ PROMPT_SETS: dict[str, tuple[Prompt, ...]] = {
     ),
     "chat": tuple(
         Prompt(f"chat/{i}", messages=({"role": "user", "content": text},))
-        for i, text in enumerate([
-            "Explain recursion in one paragraph.",
-            "Write a Python function that reverses a string.",
-            "What is the difference between a list and a tuple in Python?",
-            "Give three tips for writing readable code.",
-            "How does a hash table work?",
-        ])
+        for i, text in enumerate(
+            [
+                "Explain recursion in one paragraph.",
+                "Write a Python function that reverses a string.",
+                "What is the difference between a list and a tuple in Python?",
+                "Give three tips for writing readable code.",
+                "How does a hash table work?",
+            ]
+        )
     ),
-}  # fmt: skip
+}
 
 
 # --- the ranking: numbers in, ordered rows out ------------------------------------------------------------------------
@@ -126,9 +128,19 @@ def rank(measured: Iterable[Measured], v: dict[int, float]) -> list[dict]:
     last. Each row says why it stands where it does."""
     rows = []
     for m in measured:
-        row = {"drafter": m.drafter, "family": m.family, "tokenizer": m.tokenizer, "shared": m.shared,
-               "shared_pct_target": m.shared_pct_target, "alpha_ceiling": m.alpha_ceiling, "c": m.c,
-               "algorithms": {}, "best_algorithm": None, "best_k": None, "expected_speedup": None}  # fmt: skip
+        row = {
+            "drafter": m.drafter,
+            "family": m.family,
+            "tokenizer": m.tokenizer,
+            "shared": m.shared,
+            "shared_pct_target": m.shared_pct_target,
+            "alpha_ceiling": m.alpha_ceiling,
+            "c": m.c,
+            "algorithms": {},
+            "best_algorithm": None,
+            "best_k": None,
+            "expected_speedup": None,
+        }
         for algo in ALGORITHMS:
             if algo in m.unavailable:
                 row["algorithms"][algo] = {"alpha": None, "why_not": m.unavailable[algo]}
@@ -136,8 +148,13 @@ def rank(measured: Iterable[Measured], v: dict[int, float]) -> list[dict]:
             acc = m.acceptance.get(algo)
             if acc is None or acc.alpha is None:
                 continue
-            cell = {"alpha": acc.alpha, "tokens": acc.drafted + acc.used_drafted, "measured_tokens": acc.drafted,
-                    "used_tokens": acc.used_drafted, "sampled_alpha": acc.sampled}  # fmt: skip
+            cell = {
+                "alpha": acc.alpha,
+                "tokens": acc.drafted + acc.used_drafted,
+                "measured_tokens": acc.drafted,
+                "used_tokens": acc.used_drafted,
+                "sampled_alpha": acc.sampled,
+            }
             if m.c is not None and v:
                 cell["best_k"], cell["expected_speedup"] = best_k(acc.alpha, m.c, v)
                 if row["expected_speedup"] is None or cell["expected_speedup"] > row["expected_speedup"]:
@@ -145,8 +162,15 @@ def rank(measured: Iterable[Measured], v: dict[int, float]) -> list[dict]:
             row["algorithms"][algo] = cell
         row["note"] = _note(row, m)
         rows.append(row)
-    rows.append({"drafter": "(plain decoding)", "expected_speedup": 1.0, "note": "the target alone: the row to beat",
-                 "algorithms": {}, "plain": True})  # fmt: skip
+    rows.append(
+        {
+            "drafter": "(plain decoding)",
+            "expected_speedup": 1.0,
+            "note": "the target alone: the row to beat",
+            "algorithms": {},
+            "plain": True,
+        }
+    )
     runnable = sorted((r for r in rows if r["expected_speedup"] is not None), key=lambda r: -r["expected_speedup"])
     return runnable + [r for r in rows if r["expected_speedup"] is None]
 
@@ -157,9 +181,11 @@ def _note(row: dict, m: Measured) -> str:
             return "cannot draft for this target: " + "; ".join(f"{a}: {w}" for a, w in m.unavailable.items())
         return "not measured"
     if row["expected_speedup"] < 1.0:
-        return (f"slower than plain decoding at every k: its step costs c = {m.c:.2f} of the target's, and "
-                f"{row['best_algorithm']}'s alpha {row['algorithms'][row['best_algorithm']]['alpha']:.2f} does not "
-                "make up for it")  # fmt: skip
+        return (
+            f"slower than plain decoding at every k: its step costs c = {m.c:.2f} of the target's, and "
+            f"{row['best_algorithm']}'s alpha {row['algorithms'][row['best_algorithm']]['alpha']:.2f} does not "
+            "make up for it"
+        )
     return f"{row['best_algorithm']} at k = {row['best_k']}"
 
 
@@ -191,9 +217,14 @@ class Reference:
 def _target_pair(target: Model, drafter: Model | None = None):
     from .pair import Pair
 
-    return Pair(target.model, target.tokenizer, drafter.model if drafter else None,
-                drafter.tokenizer if drafter else None, target_name=target.name,
-                drafter_name=drafter.name if drafter else None)  # fmt: skip
+    return Pair(
+        target.model,
+        target.tokenizer,
+        drafter.model if drafter else None,
+        drafter.tokenizer if drafter else None,
+        target_name=target.name,
+        drafter_name=drafter.name if drafter else None,
+    )
 
 
 def _prompt_ids(pair, prompt: Prompt):
@@ -366,9 +397,16 @@ def measure(target: Model, drafter: Model, refs: list[Reference], log=lambda msg
     t0 = time.perf_counter()
     pair = _target_pair(target, drafter)
     vocab = vocabulary(target, drafter)
-    m = Measured(drafter.name, family=drafter.family, tokenizer=vocab["drafter_tokenizer"], shared=vocab["shared"],
-                 shared_pct_target=vocab["shared_pct_target"], alpha_ceiling=vocab["alpha_ceiling"],
-                 same_tokenizer=vocab["same_tokenizer"], unavailable=unavailable(pair, vocab))  # fmt: skip
+    m = Measured(
+        drafter.name,
+        family=drafter.family,
+        tokenizer=vocab["drafter_tokenizer"],
+        shared=vocab["shared"],
+        shared_pct_target=vocab["shared_pct_target"],
+        alpha_ceiling=vocab["alpha_ceiling"],
+        same_tokenizer=vocab["same_tokenizer"],
+        unavailable=unavailable(pair, vocab),
+    )
     if len(m.unavailable) == len(ALGORITHMS):
         m.measure_s = time.perf_counter() - t0
         return m
@@ -387,8 +425,10 @@ def measure(target: Model, drafter: Model, refs: list[Reference], log=lambda msg
         if sampled and sum(n for _, n in sampled):
             total.sampled = sum(s * n for s, n in sampled) / sum(n for _, n in sampled)
         m.acceptance[algo] = total
-        log(f"{drafter.name}: {algo} alpha {total.alpha if total.alpha is not None else 0:.2f} "
-            f"({total.accepted}/{total.drafted})")  # fmt: skip
+        log(
+            f"{drafter.name}: {algo} alpha {total.alpha if total.alpha is not None else 0:.2f} "
+            f"({total.accepted}/{total.drafted})"
+        )
     m.measure_s = time.perf_counter() - t0
     return m
 
@@ -428,8 +468,9 @@ def _editing() -> Iterator[dict]:
         _write(data)
 
 
-def record_acceptance(target: str, drafter: str, algorithm: str, accepted: int, drafted: int,
-                      sampled: bool = False) -> None:  # fmt: skip
+def record_acceptance(
+    target: str, drafter: str, algorithm: str, accepted: int, drafted: int, sampled: bool = False
+) -> None:
     """Add a generation's counts to what the pair has shown in use (greedy and sampled kept apart: the ranking's
     alpha is greedy's). Never raises: a read-only cache only means nothing is remembered."""
     if not (target and drafter and drafted > 0) or algorithm not in ALGORITHMS or not recording_on():
@@ -497,10 +538,18 @@ def prompt_set(spec: str, limit: int | None = None) -> tuple[str, list[Prompt]]:
 # --- the whole run ----------------------------------------------------------------------------------------------------
 
 
-def suggest(target: str, drafters: list[str], load: Callable[[str], Model], prompts: list[Prompt], prompts_key: str,
-            *, answer_tokens: int = ANSWER_TOKENS, refresh: bool = False,
-            log: Callable[[str], None] = lambda msg: None, progress: Callable[[float, str], None] | None = None,
-            ) -> dict:  # fmt: skip
+def suggest(
+    target: str,
+    drafters: list[str],
+    load: Callable[[str], Model],
+    prompts: list[Prompt],
+    prompts_key: str,
+    *,
+    answer_tokens: int = ANSWER_TOKENS,
+    refresh: bool = False,
+    log: Callable[[str], None] = lambda msg: None,
+    progress: Callable[[float, str], None] | None = None,
+) -> dict:
     """Measure what is not cached yet, rank, and return {target, prompts, machine, v, rows}. `load(name)` gives a
     loaded Model (called only for what must be measured); cached numbers are keyed by machine, so the target is
     loaded whenever anything is measured, to know the machine it runs on."""
@@ -545,8 +594,14 @@ def suggest(target: str, drafters: list[str], load: Callable[[str], Model], prom
                 m.acceptance[algo].used_accepted, m.acceptance[algo].used_drafted = a, n
         measured.append(m)
     progress(1.0, "ranked")
-    return {"target": target, "prompts": key_set, "machine": where, "v": v, "step_s": timing["step_s"],
-            "rows": rank(measured, v)}  # fmt: skip
+    return {
+        "target": target,
+        "prompts": key_set,
+        "machine": where,
+        "v": v,
+        "step_s": timing["step_s"],
+        "rows": rank(measured, v),
+    }
 
 
 def _alpha(algos: dict, algorithm: str) -> str:
@@ -558,8 +613,10 @@ def _alpha(algos: dict, algorithm: str) -> str:
 
 def format_table(report: dict) -> str:
     """The ranking as a Markdown table (the CLI prints it; the README shows one)."""
-    head = ("| # | drafter | family | tokenizer | shared (% of target) | tli ceiling | alpha tli | alpha slem | "
-            "alpha standard | c | best | expected speedup | rests on | note |")  # fmt: skip
+    head = (
+        "| # | drafter | family | tokenizer | shared (% of target) | tli ceiling | alpha tli | alpha slem | "
+        "alpha standard | c | best | expected speedup | rests on | note |"
+    )
     lines = [head, "|" + "---|" * 14]
     for i, r in enumerate(report["rows"], 1):
         if r.get("plain"):
@@ -572,11 +629,14 @@ def format_table(report: dict) -> str:
         c = f"{r['c']:.2f}" if r["c"] is not None else "-"
         best = f"{r['best_algorithm']} k={r['best_k']}" if r["best_algorithm"] else "-"
         speed = f"{r['expected_speedup']:.2f}x" if r["expected_speedup"] is not None else "-"
-        rests = ", ".join(f"{a}: {cell['tokens']} ({cell['used_tokens']} from use)" for a, cell in algos.items()
-                          if cell.get("tokens"))  # fmt: skip
-        lines.append(f"| {i} | {r['drafter']} | {r['family']} | {r['tokenizer']} | {shared} | {ceiling} | "
-                     f"{' | '.join(_alpha(algos, a) for a in ALGORITHMS)} | {c} | {best} | {speed} | "
-                     f"{rests or '-'} | {r['note']} |")  # fmt: skip
+        rests = ", ".join(
+            f"{a}: {cell['tokens']} ({cell['used_tokens']} from use)" for a, cell in algos.items() if cell.get("tokens")
+        )
+        lines.append(
+            f"| {i} | {r['drafter']} | {r['family']} | {r['tokenizer']} | {shared} | {ceiling} | "
+            f"{' | '.join(_alpha(algos, a) for a in ALGORITHMS)} | {c} | {best} | {speed} | "
+            f"{rests or '-'} | {r['note']} |"
+        )
     return "\n".join(lines)
 
 
@@ -590,12 +650,16 @@ def candidates(catalog, target: str, names: list[str] | None = None, every: bool
 
     if names:
         return [n for n in names if n != target]
-    return [m.name for m in catalog.models if m.name != target and (every or "drafter" in m.roles)
-            and local_path(m) is not None]  # fmt: skip
+    return [
+        m.name
+        for m in catalog.models
+        if m.name != target and (every or "drafter" in m.roles) and local_path(m) is not None
+    ]
 
 
-def loader(catalog, device: str | None = None, precision: str | None = None, log=lambda msg: None,
-           loaded: dict | None = None) -> Callable[[str], Model]:  # fmt: skip
+def loader(
+    catalog, device: str | None = None, precision: str | None = None, log=lambda msg: None, loaded: dict | None = None
+) -> Callable[[str], Model]:
     """name -> Model, each loaded once (pass `loaded` to reuse models already in memory, by name)."""
     from .loading import entry_for, load_model
 
@@ -613,19 +677,32 @@ def loader(catalog, device: str | None = None, precision: str | None = None, log
 def add_arguments(p) -> None:
     p.add_argument("--target", help="catalog name, local directory or hub id (default: the catalog's default)")
     who = p.add_mutually_exclusive_group()
-    who.add_argument("--drafters", metavar="NAME,...", help="drafters to rank (default: the catalog's drafters on "
-                     "this machine)")  # fmt: skip
+    who.add_argument(
+        "--drafters", metavar="NAME,...", help="drafters to rank (default: the catalog's drafters on this machine)"
+    )
     who.add_argument("--all", action="store_true", help="every catalog model on this machine, whatever its roles")
-    p.add_argument("--prompts", default="code", metavar="{code,chat,FILE}",
-                   help="the prompt set: built-in code or chat prompts, or a JSONL file (default: code)")  # fmt: skip
+    p.add_argument(
+        "--prompts",
+        default="code",
+        metavar="{code,chat,FILE}",
+        help="the prompt set: built-in code or chat prompts, or a JSONL file (default: code)",
+    )
     p.add_argument("--limit", type=int, metavar="N", help="use the first N prompts")
-    p.add_argument("--tokens", type=int, default=ANSWER_TOKENS, metavar="N",
-                   help=f"answer tokens per prompt (default: {ANSWER_TOKENS})")  # fmt: skip
+    p.add_argument(
+        "--tokens",
+        type=int,
+        default=ANSWER_TOKENS,
+        metavar="N",
+        help=f"answer tokens per prompt (default: {ANSWER_TOKENS})",
+    )
     p.add_argument("--refresh", action="store_true", help="measure again, ignoring the cached numbers")
     p.add_argument("--json", action="store_true")
     p.add_argument("--device", choices=["cpu", "cuda"], help="default: cuda when present")
-    p.add_argument("--precision", choices=["nf4", "int8", "bf16", "fp16", "fp32"],
-                   help="override the catalog's precision for every model")  # fmt: skip
+    p.add_argument(
+        "--precision",
+        choices=["nf4", "int8", "bf16", "fp16", "fp32"],
+        help="override the catalog's precision for every model",
+    )
 
 
 def run_cli(args, catalog) -> int:
@@ -645,16 +722,29 @@ def run_cli(args, catalog) -> int:
         raise ValueError("no drafter to rank: none is on this machine (`usd pull NAME`), or name some with --drafters")
     key, prompts = prompt_set(args.prompts, args.limit)
     t0 = time.perf_counter()
-    report = suggest(target, drafters, loader(catalog, args.device, args.precision), prompts, key,
-                     answer_tokens=args.tokens, refresh=args.refresh, log=log)  # fmt: skip
+    report = suggest(
+        target,
+        drafters,
+        loader(catalog, args.device, args.precision),
+        prompts,
+        key,
+        answer_tokens=args.tokens,
+        refresh=args.refresh,
+        log=log,
+    )
     report["wall_s"] = time.perf_counter() - t0
     if args.json:
         print(json.dumps(report, indent=1))
         return 0
-    print(f"target {target} on {report['machine']}; prompts {report['prompts']}; target step "
-          f"{1000 * report['step_s']:.1f} ms; v(k) for k = 1..{K_MAX}: "
-          + " ".join(f"{report['v'][k]:.2f}" for k in sorted(report["v"])))  # fmt: skip
+    print(
+        f"target {target} on {report['machine']}; prompts {report['prompts']}; target step "
+        f"{1000 * report['step_s']:.1f} ms; v(k) for k = 1..{K_MAX}: "
+        + " ".join(f"{report['v'][k]:.2f}" for k in sorted(report["v"]))
+    )
     print(format_table(report))
-    print(f"[{report['wall_s']:.1f} s; expected speedup = tau(alpha, k) / (k c + v(k)) at the best k, greedy alpha "
-          "measured along the target's own answers plus what use has recorded]", file=sys.stderr)  # fmt: skip
+    print(
+        f"[{report['wall_s']:.1f} s; expected speedup = tau(alpha, k) / (k c + v(k)) at the best k, greedy alpha "
+        "measured along the target's own answers plus what use has recorded]",
+        file=sys.stderr,
+    )
     return 0

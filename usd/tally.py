@@ -33,11 +33,22 @@ class Tally:
             self.draft_step_s.append(draft_s / draft_steps)
 
     def stats(self, tokens: int, stop_reason: str | None, forward_s: float, drafting_stopped: str | None) -> Stats:
-        step = _mean(self.step_s)
-        c = _mean(self.draft_step_s) / step if step and self.draft_step_s else None
-        v = _mean(self.verify_s) / step if step and self.verify_s else None
-        return Stats(algorithm=self.algorithm, rounds=self.rounds, drafted=self.drafted, accepted=self.accepted,
-                     tokens=tokens, wall_s=time.perf_counter() - self.started, stop_reason=stop_reason, c=c, v=v,
-                     mean_k=self.drafted / len(self.verify_s) if self.verify_s else 0.0,
-                     rounds_by_algorithm=dict(self.by_algorithm), forward_s=forward_s,
-                     drafting_stopped=drafting_stopped, step_s=step)  # fmt: skip
+        step, draft_step, verify = _mean(self.step_s), _mean(self.draft_step_s), _mean(self.verify_s)
+        c = draft_step / step if step and draft_step is not None else None
+        v = verify / step if step and verify is not None else None
+        return Stats(
+            algorithm=self.algorithm,
+            rounds=self.rounds,
+            drafted=self.drafted,
+            accepted=self.accepted,
+            tokens=tokens,
+            wall_s=time.perf_counter() - self.started,
+            stop_reason=stop_reason,
+            c=c,
+            v=v,
+            mean_k=self.drafted / len(self.verify_s) if self.verify_s else 0.0,
+            rounds_by_algorithm=dict(self.by_algorithm),
+            forward_s=forward_s,
+            drafting_stopped=drafting_stopped,
+            step_s=step,
+        )

@@ -16,6 +16,19 @@ from functools import lru_cache
 
 _BYTE_PIECE = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")
 
+CEILING_SAMPLE = '''def fibonacci(n: int) -> list[int]:
+    """Return the first n Fibonacci numbers."""
+    seq = [0, 1]
+    while len(seq) < n:
+        seq.append(seq[-1] + seq[-2])
+    return seq[:n]
+
+Speculative decoding lets a small model propose several tokens that the large model then checks in one pass.
+When the proposals are right, the answer arrives faster; when they are wrong, nothing is lost but a little time.
+{"name": "Ada", "languages": ["en", "fr"], "score": 0.97}
+'''
+"""The text the alpha ceiling is measured on: code and prose, what users of a chat app paste."""
+
 
 @lru_cache(maxsize=1)
 def byte_decoder() -> dict[str, int]:
@@ -151,18 +164,31 @@ def align(target_tokenizer, drafter_tokenizer) -> Overlap:
     return Overlap(t, d, dict(sorted(d2t.items())), shared_bytes + shared_special, len(raw))
 
 
+def alpha_ceiling(target_tokenizer, overlap: Overlap, text: str = CEILING_SAMPLE) -> float:
+    """The highest acceptance rate tli can reach on `text`: the share of the target's own tokens of it that the shared
+    vocabulary holds. tli drafts only shared tokens, so where the target's tokenization steps outside them a draft
+    must fail; slem drafts free text and is not bound by it."""
+    shared = set(overlap.drafter_to_target.values())
+    ids = target_tokenizer.encode(text, add_special_tokens=False)
+    return sum(i in shared for i in ids) / len(ids)
+
+
 def same_vocabulary(a, b) -> bool:
     """Both tokenizers map every piece to the same id: `standard` speculative decoding applies."""
     return a is b or a.get_vocab() == b.get_vocab()
 
 
 def overlap_report(
-    target_tokenizer, drafter_tokenizer, target_vocab: int | None = None, drafter_vocab: int | None = None,
+    target_tokenizer,
+    drafter_tokenizer,
+    target_vocab: int | None = None,
+    drafter_vocab: int | None = None,
     overlap: Overlap | None = None,
 ) -> dict:
-    """The numbers `usd overlap` prints. Vocabulary sizes default to the tokenizers' sizes; pass the models'
-    embedding sizes (config.vocab_size) to report against the rows the model actually scores. Pass `overlap` when
-    the caller has aligned the two already (it takes a second or two for 150k vocabularies)."""
+    """The numbers `usd overlap` prints, tli's alpha ceiling on CEILING_SAMPLE among them. Vocabulary sizes default to
+    the tokenizers' sizes; pass the models' embedding sizes (config.vocab_size) to report against the rows the model
+    actually scores. Pass `overlap` when the caller has aligned the two already (it takes a second or two for 150k
+    vocabularies)."""
     o = overlap or align(target_tokenizer, drafter_tokenizer)
     tv = target_vocab or o.target.size
     dv = drafter_vocab or o.drafter.size
@@ -175,4 +201,5 @@ def overlap_report(
         "shared_without_normalisation": o.shared_without_normalisation,
         "target_tokenizer": o.target.kind,
         "drafter_tokenizer": o.drafter.kind,
+        "alpha_ceiling_tli": alpha_ceiling(target_tokenizer, o),
     }

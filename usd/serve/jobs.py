@@ -14,6 +14,7 @@ from usd.settings import GenerationSettings
 
 if TYPE_CHECKING:
     from .routes import Service
+    from .slots import Ticket
 
 
 class ClientGone(Exception):
@@ -31,15 +32,16 @@ POLL_S = 0.25
 
 
 class Job:
-    def __init__(self, service: Service, name: str, inputs: dict, settings: GenerationSettings,
-                 prompt_tokens: int | None = None):  # fmt: skip
+    def __init__(
+        self, service: Service, name: str, inputs: dict, settings: GenerationSettings, prompt_tokens: int | None = None
+    ):
         self.service, self.name, self.inputs, self.settings = service, name, inputs, settings
         self.prompt_tokens = prompt_tokens
         self.cancel = threading.Event()
         self._loop = asyncio.get_running_loop()
         self._queue: asyncio.Queue = asyncio.Queue()
         self._getter: asyncio.Future | None = None
-        self._ticket = None
+        self._ticket: Ticket | None = None
 
     def start(self) -> None:
         """Take a place in line now (QueueFull when the line is full) and start the worker, which waits for a slot."""
@@ -47,13 +49,15 @@ class Job:
         threading.Thread(target=self._work, name="usd-serve-job", daemon=True).start()
 
     def _work(self) -> None:
+        ticket = self._ticket
+        assert ticket is not None  # start() takes it before starting this worker
         try:
-            if self._ticket.wait(self.cancel):
+            if ticket.wait(self.cancel):
                 self.service.wrap(self._generate)()
         except BaseException as e:  # handed to the request, which answers with it
             self._put(_Failed(e))
         finally:
-            self._ticket.leave()
+            ticket.leave()
             self._put(_END)
 
     def _generate(self) -> None:

@@ -28,11 +28,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--drafter", help="catalog name, local directory or hub id (default: the catalog's default)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=int, default=8000, help="default 8000")
-    p.add_argument("--api-key", help=f"require this key as 'Authorization: Bearer KEY' (default: ${API_KEY_ENV}; "
-                   "unset: no key)")  # fmt: skip
+    p.add_argument(
+        "--api-key", help=f"require this key as 'Authorization: Bearer KEY' (default: ${API_KEY_ENV}; unset: no key)"
+    )
     p.add_argument("--concurrency", type=_positive, default=1, help="generations running at once (default 1)")
-    p.add_argument("--max-queue", type=_not_negative, default=16,
-                   help="requests waiting at most (default 16); more get 429")  # fmt: skip
+    p.add_argument(
+        "--max-queue", type=_not_negative, default=16, help="requests waiting at most (default 16); more get 429"
+    )
     p.add_argument("--device", choices=["cpu", "cuda"], help="default: cuda when present")
     p.add_argument("--precision", choices=PRECISIONS, help="override the catalog's precision for both models")
 
@@ -50,13 +52,18 @@ def run_cli(args, catalog) -> int:
 
     key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV)
     if args.host not in ("127.0.0.1", "localhost", "::1") and not key:
-        log(f"usd serve: warning: listening on {args.host} without an API key; anyone who can reach it can use it "
-            f"(set --api-key or ${API_KEY_ENV})")  # fmt: skip
-    pair = api.load_pair(args.target, args.drafter, catalog=catalog, device=args.device, precision=args.precision,
-                         log=log)  # fmt: skip
+        log(
+            f"usd serve: warning: listening on {args.host} without an API key; anyone who can reach it can use it "
+            f"(set --api-key or ${API_KEY_ENV})"
+        )
+    pair = api.load_pair(
+        args.target, args.drafter, catalog=catalog, device=args.device, precision=args.precision, log=log
+    )
     service = FixedPair(pair, slots=Slots(args.concurrency, args.max_queue), api_key=key)
-    log(f"usd serve: {pair.target_name} + {pair.drafter_name} on http://{args.host}:{args.port}/v1 (model "
+    log(
+        f"usd serve: {pair.target_name} + {pair.drafter_name} on http://{args.host}:{args.port}/v1 (model "
         f"{pair.target_name!r}; concurrency {args.concurrency}, queue {args.max_queue}"
-        f"{', API key required' if key else ''})")  # fmt: skip
+        f"{', API key required' if key else ''})"
+    )
     uvicorn.run(create_app(service), host=args.host, port=args.port, log_level="warning")
     return 0

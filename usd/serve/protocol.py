@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
@@ -21,8 +21,14 @@ from usd.settings import GenerationSettings
 
 # --- errors ----------------------------------------------------------------------------------------------------------
 
-ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "invalid_request_error",
-               429: "rate_limit_error", 500: "server_error", 503: "server_error"}  # fmt: skip
+ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "invalid_request_error",
+    429: "rate_limit_error",
+    500: "server_error",
+    503: "server_error",
+}
 
 
 class APIError(Exception):
@@ -33,8 +39,14 @@ class APIError(Exception):
         self.status, self.message, self.param, self.code = status, message, param, code
 
     def body(self) -> dict:
-        return {"error": {"message": self.message, "type": ERROR_TYPES.get(self.status, "invalid_request_error"),
-                          "param": self.param, "code": self.code}}  # fmt: skip
+        return {
+            "error": {
+                "message": self.message,
+                "type": ERROR_TYPES.get(self.status, "invalid_request_error"),
+                "param": self.param,
+                "code": self.code,
+            }
+        }
 
 
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
@@ -91,8 +103,8 @@ class CompletionRequest(_Request):
 _TOOLS = "tool and function calling are not supported: the answer is the target's plain text"
 _LOGPROBS = "log probabilities are not reported by this server"
 _PENALTY = "penalties would change the target's distribution, which speculative decoding reproduces exactly"
-UNSUPPORTED: dict[str, tuple[tuple, str]] = {
-    # field: (values that ask for nothing beyond what the server does, why anything else is refused)
+UNSUPPORTED: dict[str, tuple[tuple, str | None]] = {
+    # field: (values that ask for nothing beyond what the server does, why anything else is refused; None: accepted)
     "n": ((1,), "this server generates one choice per request; send n=1 or leave it out"),
     "best_of": ((1,), "this server generates one choice per request; send best_of=1 or leave it out"),
     "logprobs": ((False, 0), _LOGPROBS),
@@ -132,8 +144,10 @@ def refuse_unsupported(request: _Request) -> None:
             raise bad_request(f"{name}={value!r}: {why}", param=name)
     so = request.stream_options
     if so is not None and so.include_obfuscation:
-        raise bad_request("stream_options.include_obfuscation: this server does not pad chunks",
-                          param="stream_options.include_obfuscation")  # fmt: skip
+        raise bad_request(
+            "stream_options.include_obfuscation: this server does not pad chunks",
+            param="stream_options.include_obfuscation",
+        )
     if so is not None and not request.stream:
         raise bad_request("stream_options is only allowed with stream=true", param="stream_options")
 
@@ -144,7 +158,10 @@ def _same(value, allowed) -> bool:
     return value == allowed
 
 
-def parse(kind: type[_Request], body) -> _Request:
+R = TypeVar("R", bound=_Request)
+
+
+def parse(kind: type[R], body) -> R:
     """The request body as `kind`; a malformed one is a 400 naming the field."""
     if not isinstance(body, dict):
         raise bad_request("the request body must be a JSON object")
@@ -172,18 +189,28 @@ def settings_of(request: _Request) -> GenerationSettings:
     max_param, max_new = "max_tokens", request.max_tokens
     if isinstance(request, ChatRequest) and request.max_completion_tokens is not None:
         if request.max_tokens is not None and request.max_tokens != request.max_completion_tokens:
-            raise bad_request(f"max_tokens ({request.max_tokens!r}) and max_completion_tokens "
-                              f"({request.max_completion_tokens!r}) differ; send one of them",
-                              param="max_completion_tokens")  # fmt: skip
+            raise bad_request(
+                f"max_tokens ({request.max_tokens!r}) and max_completion_tokens "
+                f"({request.max_completion_tokens!r}) differ; send one of them",
+                param="max_completion_tokens",
+            )
         max_param, max_new = "max_completion_tokens", request.max_completion_tokens
-    values = {"algorithm": spec.algorithm, "draft_tokens": spec.draft_tokens, "temperature": request.temperature,
-              "top_p": request.top_p, "top_k": request.top_k, "seed": request.seed, "max_new_tokens": max_new,
-              "stop_strings": request.stop}  # fmt: skip
+    values = {
+        "algorithm": spec.algorithm,
+        "draft_tokens": spec.draft_tokens,
+        "temperature": request.temperature,
+        "top_p": request.top_p,
+        "top_k": request.top_k,
+        "seed": request.seed,
+        "max_new_tokens": max_new,
+        "stop_strings": request.stop,
+    }
     try:
         return GenerationSettings(**values)
     except ValueError as e:
         param = next((n for n, v in values.items() if _fails(n, v)), None)
-        raise bad_request(str(e), param=max_param if param == "max_new_tokens" else _PARAMS.get(param, param)) from None
+        where = max_param if param == "max_new_tokens" else _PARAMS.get(param, param) if param is not None else None
+        raise bad_request(str(e), param=where) from None
 
 
 def _fails(name: str, value) -> bool:
@@ -202,8 +229,10 @@ def chat_messages(request: ChatRequest) -> list[dict]:
             raise bad_request(f"message {i} must be an object with 'role' and 'content'", param=f"messages.{i}")
         extra = sorted(k for k, v in m.items() if k not in ("role", "content") and v not in (None, [], ""))
         if extra:
-            raise bad_request(f"message {i}: {', '.join(map(repr, extra))} not supported; send role and text "
-                              "content only", param=f"messages.{i}")  # fmt: skip
+            raise bad_request(
+                f"message {i}: {', '.join(map(repr, extra))} not supported; send role and text content only",
+                param=f"messages.{i}",
+            )
         role, content = m.get("role"), m.get("content")
         if role == "developer":  # OpenAI's newer name for the system message
             role = "system"
@@ -264,24 +293,40 @@ def speculative_stats(stats: Stats, counts: Counts) -> dict:
     if stats.step_s and stats.rounds > plain and stats.tokens_per_s:
         measured = stats.tokens_per_s * stats.step_s  # against plain steps inside this answer, as the app estimates
     return {
-        "algorithm": stats.algorithm, "rounds": stats.rounds, "num_spec_steps": steps,
-        "num_draft_tokens": stats.drafted, "num_accepted_draft_tokens": stats.accepted,
+        "algorithm": stats.algorithm,
+        "rounds": stats.rounds,
+        "num_spec_steps": steps,
+        "num_draft_tokens": stats.drafted,
+        "num_accepted_draft_tokens": stats.accepted,
         "draft_acceptance_rate": stats.acceptance_rate if stats.drafted else None,
         "mean_acceptance_length": 1 + stats.accepted / steps if steps else None,
         "acceptance_histogram": list(counts.histogram),
-        "tokens": stats.tokens, "tokens_per_round": stats.tokens_per_round, "tokens_per_s": stats.tokens_per_s,
-        "wall_s": stats.wall_s, "mean_k": stats.mean_k, "c": stats.c, "v": stats.v, "step_s": stats.step_s,
-        "forward_s": stats.forward_s, "theoretical_speedup": stats.theoretical_speedup,
+        "tokens": stats.tokens,
+        "tokens_per_round": stats.tokens_per_round,
+        "tokens_per_s": stats.tokens_per_s,
+        "wall_s": stats.wall_s,
+        "mean_k": stats.mean_k,
+        "c": stats.c,
+        "v": stats.v,
+        "step_s": stats.step_s,
+        "forward_s": stats.forward_s,
+        "theoretical_speedup": stats.theoretical_speedup,
         "measured_speedup": measured,
         "speedup_basis": "estimated from this answer's plain steps" if measured is not None else None,
-        "rounds_by_algorithm": dict(stats.rounds_by_algorithm), "stop_reason": stats.stop_reason,
+        "rounds_by_algorithm": dict(stats.rounds_by_algorithm),
+        "stop_reason": stats.stop_reason,
         "drafting_stopped": stats.drafting_stopped,
-    }  # fmt: skip
+    }
 
 
 def piece_dict(p: Piece) -> dict:
-    return {"text": p.text, "kind": p.kind, "round": p.round, "target_id": p.target_id,
-            "drafter_ids": list(p.drafter_ids)}  # fmt: skip
+    return {
+        "text": p.text,
+        "kind": p.kind,
+        "round": p.round,
+        "target_id": p.target_id,
+        "drafter_ids": list(p.drafter_ids),
+    }
 
 
 def finish_reason(stop_reason: str | None) -> str:
@@ -344,15 +389,24 @@ class Shape:
     def response(self, text: str, done: Finished, prompt_tokens: int, spec: dict) -> dict:
         reason = finish_reason(done.stats.stop_reason)
         if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": reason,
-                      "logprobs": None}  # fmt: skip
+            choice = {
+                "index": 0,
+                "message": {"role": "assistant", "content": text},
+                "finish_reason": reason,
+                "logprobs": None,
+            }
         else:
             choice = {"index": 0, "text": text, "finish_reason": reason, "logprobs": None}
-        return {**self._head("chat.completion" if self.chat else "text_completion"), "choices": [choice],
-                "usage": usage(prompt_tokens, len(done.target_ids)), "speculative": spec}  # fmt: skip
+        return {
+            **self._head("chat.completion" if self.chat else "text_completion"),
+            "choices": [choice],
+            "usage": usage(prompt_tokens, len(done.target_ids)),
+            "speculative": spec,
+        }
 
-    def chunk(self, text: str | None = None, reason: str | None = None, role: bool = False,
-              spec: dict | None = None) -> dict:  # fmt: skip
+    def chunk(
+        self, text: str | None = None, reason: str | None = None, role: bool = False, spec: dict | None = None
+    ) -> dict:
         if self.chat:
             delta = {"role": "assistant", "content": ""} if role else ({} if text is None else {"content": text})
             choice = {"index": 0, "delta": delta, "finish_reason": reason, "logprobs": None}
@@ -364,10 +418,16 @@ class Shape:
         return out
 
     def usage_chunk(self, prompt_tokens: int, completion_tokens: int) -> dict:
-        return {**self._head("chat.completion.chunk" if self.chat else "text_completion"), "choices": [],
-                "usage": usage(prompt_tokens, completion_tokens)}  # fmt: skip
+        return {
+            **self._head("chat.completion.chunk" if self.chat else "text_completion"),
+            "choices": [],
+            "usage": usage(prompt_tokens, completion_tokens),
+        }
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}  # fmt: skip
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }

@@ -9,7 +9,7 @@ import logging
 import secrets
 import time
 from collections.abc import AsyncIterator, Callable
-from typing import Annotated
+from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse
@@ -54,8 +54,14 @@ class Service:
         raise NotImplementedError
 
     def model_card(self, name: str, drafter: str | None, loaded: bool) -> dict:
-        return {"id": name, "object": "model", "created": self.started, "owned_by": "usd-chat", "drafter": drafter,
-                "loaded": loaded}  # fmt: skip
+        return {
+            "id": name,
+            "object": "model",
+            "created": self.started,
+            "owned_by": "usd-chat",
+            "drafter": drafter,
+            "loaded": loaded,
+        }
 
 
 class FixedPair(Service):
@@ -70,9 +76,13 @@ class FixedPair(Service):
 
     def resolve(self, model: str) -> str:
         if model != self._pair.target_name:
-            raise p.APIError(404, f"model {model!r} is not served here; this server serves "
-                                  f"{self._pair.target_name!r} (GET /v1/models lists it)", "model",
-                             "model_not_found")  # fmt: skip
+            raise p.APIError(
+                404,
+                f"model {model!r} is not served here; this server serves "
+                f"{self._pair.target_name!r} (GET /v1/models lists it)",
+                "model",
+                "model_not_found",
+            )
         return model
 
     def loaded(self, name: str) -> Pair:
@@ -159,11 +169,14 @@ async def complete(service: Service, request: Request, chat_api: bool):
         body = await request.json()
     except (ValueError, UnicodeDecodeError):
         raise p.bad_request("the request body is not valid JSON") from None
-    req = p.parse(p.ChatRequest if chat_api else p.CompletionRequest, body)
+    req = p.parse(p.ChatRequest, body) if chat_api else p.parse(p.CompletionRequest, body)
     settings = p.settings_of(req)
-    inputs = {"messages": p.chat_messages(req)} if chat_api else {"prompt": p.completion_prompt(req)}
+    # api.stream's keyword arguments: the chat's messages or the completion's prompt
+    inputs: dict[str, Any] = (
+        {"messages": p.chat_messages(req)} if isinstance(req, p.ChatRequest) else {"prompt": p.completion_prompt(req)}
+    )
     name = service.resolve(req.model)
-    prompt_tokens = None
+    prompt_tokens: int | None = None
     pair = service.loaded(name)
     if pair is not None:  # the prompt against the context now, before the request waits in line for nothing
         try:
@@ -190,8 +203,10 @@ async def complete(service: Service, request: Request, chat_api: bool):
         raise
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        return EventSourceResponse(stream(job, first, shape, settings.stop_strings, spec.pieces, include_usage),
-                                   headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})  # fmt: skip
+        return EventSourceResponse(
+            stream(job, first, shape, settings.stop_strings, spec.pieces, include_usage),
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        )
     try:
         event, counts = first, p.Counts()
         while not isinstance(event, Finished):
@@ -204,6 +219,7 @@ async def complete(service: Service, request: Request, chat_api: bool):
     finally:
         job.stop()
     text = p.trimmed(event.text, settings.stop_strings)
+    assert job.prompt_tokens is not None  # the job counts the prompt before it generates anything
     return JSONResponse(shape.response(text, event, job.prompt_tokens, p.speculative_stats(event.stats, counts)))
 
 
@@ -211,8 +227,9 @@ def _sse(data) -> bytes:
     return format_sse_event(data_str=json.dumps(data, ensure_ascii=False))
 
 
-async def stream(job: Job, first, shape: p.Shape, stops: tuple[str, ...], pieces: bool,
-                 include_usage: bool) -> AsyncIterator[bytes]:  # fmt: skip
+async def stream(
+    job: Job, first, shape: p.Shape, stops: tuple[str, ...], pieces: bool, include_usage: bool
+) -> AsyncIterator[bytes]:
     """The SSE body: a chunk per round (with its pieces and the stats so far when asked), the final chunk with the
     finish reason and the speculative stats, the usage chunk when asked, then [DONE]. A client that disconnects
     cancels the body, and with it the generation."""
@@ -227,8 +244,12 @@ async def stream(job: Job, first, shape: p.Shape, stops: tuple[str, ...], pieces
             text = trim.feed("".join(piece.text for piece in event.emitted))
             sent += text
             if pieces:
-                extra = {"pieces": [p.piece_dict(x) for x in event.pieces], "round": event.index, "k": event.k,
-                         "expected_speedup": event.expected_speedup}  # fmt: skip
+                extra = {
+                    "pieces": [p.piece_dict(x) for x in event.pieces],
+                    "round": event.index,
+                    "k": event.k,
+                    "expected_speedup": event.expected_speedup,
+                }
                 spec = {**(p.speculative_stats(event.stats, counts) if event.stats else {}), **extra}
                 yield _sse(shape.chunk(text, spec=spec))
             elif text:
@@ -251,7 +272,8 @@ async def stream(job: Job, first, shape: p.Shape, stops: tuple[str, ...], pieces
 
 def create_app(service: Service) -> FastAPI:
     """A FastAPI app with just the /v1 routes (what `usd serve` runs)."""
-    app = FastAPI(title="usd serve", description="OpenAI-compatible server for universal speculative decoding",
-                  version="0.1.0")  # fmt: skip
+    app = FastAPI(
+        title="usd serve", description="OpenAI-compatible server for universal speculative decoding", version="0.1.0"
+    )
     app.include_router(create_router(service))
     return app

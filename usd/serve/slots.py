@@ -23,8 +23,9 @@ class Slots:
 
     def configure(self, concurrency: int, max_queue: int) -> None:
         if concurrency < 1 or max_queue < 0:
-            raise ValueError(f"concurrency must be at least 1 and max queue at least 0, got {concurrency} and "
-                             f"{max_queue}")  # fmt: skip
+            raise ValueError(
+                f"concurrency must be at least 1 and max queue at least 0, got {concurrency} and {max_queue}"
+            )
         with self._cond:
             self.concurrency, self.max_queue = concurrency, max_queue
             self._cond.notify_all()
@@ -39,8 +40,10 @@ class Slots:
         with self._cond:
             full = self.running >= self.concurrency or self._waiting
             if refuse_when_full and full and len(self._waiting) >= self.max_queue:
-                raise QueueFull(f"the server is busy: {self.running} generation(s) running and {len(self._waiting)} "
-                                f"waiting, the most it queues; try again shortly")  # fmt: skip
+                raise QueueFull(
+                    f"the server is busy: {self.running} generation(s) running and {len(self._waiting)} "
+                    f"waiting, the most it queues; try again shortly"
+                )
             ticket = Ticket(self)
             self._waiting.append(ticket)
             return ticket

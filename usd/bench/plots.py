@@ -7,10 +7,11 @@ c and v, which shows how much of the gap to theory the loop itself leaves.
 
 from __future__ import annotations
 
-from .bench import label, pair_plot_path
-from .theory import expected_speedup
+from ..settings import ALGORITHMS
+from ..theory import expected_speedup
+from .report import label, pair_plot_path
 
-DRAFTING = ("standard", "tli", "slem", "auto")
+DRAFTING = tuple(a for a in ALGORITHMS if a != "none")
 
 
 def _k(row: dict) -> float:
@@ -47,8 +48,11 @@ def plot(result: dict, path: str, title: str = "") -> None:
 
     ax = axes[0]
     rows = [r for r in summary if r["speedup_vs_none"] is not None]
-    ax.bar([label(r["algorithm"], r["k"]) for r in rows], [r["speedup_vs_none"] for r in rows],
-           color=["#94a3b8" if r["algorithm"] in ("none", "hf") else "#16a34a" for r in rows])  # fmt: skip
+    ax.bar(
+        [label(r["algorithm"], r["k"]) for r in rows],
+        [r["speedup_vs_none"] for r in rows],
+        color=["#94a3b8" if r["algorithm"] in ("none", "hf") else "#16a34a" for r in rows],
+    )
     ax.axhline(1.0, color="black", lw=0.8, ls="--")
     ax.set_ylabel("speedup over plain decoding (wall time)")
     ax.set_title("speedup per algorithm")
@@ -88,21 +92,25 @@ def plot(result: dict, path: str, title: str = "") -> None:
         ax.legend(fontsize=8)
 
     m = result.get("machine", {})
-    fig.suptitle(title or f"{m.get('target', '?')} + {m.get('drafter', '?')} on {m.get('cuda') or m.get('processor')}"
-                 f" ({result.get('settings', {}).get('dataset', '')})", fontsize=10)  # fmt: skip
+    fig.suptitle(
+        title
+        or f"{m.get('target', '?')} + {m.get('drafter', '?')} on {m.get('cuda') or m.get('processor')}"
+        f" ({result.get('settings', {}).get('dataset', '')})",
+        fontsize=10,
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m usd.plots BENCH.json OUT.png`: draw a saved `usd bench --json` result again."""
+    """`python -m usd.bench.plots BENCH.json OUT.png`: draw a saved `usd bench --json` result again."""
     import json
     import sys
 
     args = sys.argv[1:] if argv is None else argv
     if len(args) != 2:
-        print("usage: python -m usd.plots BENCH.json OUT.png", file=sys.stderr)
+        print("usage: python -m usd.bench.plots BENCH.json OUT.png", file=sys.stderr)
         return 2
     with open(args[0], encoding="utf-8") as f:
         result = json.load(f)

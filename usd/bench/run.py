@@ -17,20 +17,38 @@ import platform
 import sys
 import time
 from dataclasses import asdict, dataclass
+from typing import get_args
 
 import torch
 
-from . import chat, decoder
-from .datasets import Prompt, load_prompts
-from .events import Finished
-from .pair import Pair
-from .sampling import SamplingParams
+from .. import chat, decoder, settings
+from ..catalog import Precision
+from ..datasets import Prompt, load_prompts
+from ..events import Finished
+from ..pair import Pair
+from ..sampling import SamplingParams
+from .plots import plot
+from .report import label, pair_plot_path, table
 
-ALGORITHMS = ("none", "standard", "tli", "slem", "auto", "hf")
+ALGORITHMS = (*settings.ALGORITHMS, "hf")
+"""The generation algorithms, and `hf`: transformers' own assisted generation, which only the benchmark runs."""
 SWEEP_K = tuple(range(1, 9))
 """`--draft-tokens sweep`: every drafting algorithm at each of these draft lengths."""
-SUMMARY_KEYS = ("algorithm", "k", "wall_s", "tokens_per_s", "speedup_vs_none", "speedup_vs_hf", "acceptance_rate",
-                "tokens_per_round", "mean_k", "c", "v", "overhead_share", "identical_to_none")  # fmt: skip
+SUMMARY_KEYS = (
+    "algorithm",
+    "k",
+    "wall_s",
+    "tokens_per_s",
+    "speedup_vs_none",
+    "speedup_vs_hf",
+    "acceptance_rate",
+    "tokens_per_round",
+    "mean_k",
+    "c",
+    "v",
+    "overhead_share",
+    "identical_to_none",
+)
 
 
 @dataclass
@@ -59,14 +77,30 @@ def _ids(pair: Pair, prompt: Prompt) -> tuple[list[int], list[int] | None]:
 
 def run_ours(pair: Pair, prompt: Prompt, algorithm: str, k, params: SamplingParams, max_new_tokens: int) -> Run:
     t_ids, d_ids = _ids(pair, prompt)
-    done = None
-    for event in decoder.stream(pair, t_ids, d_ids, algorithm=algorithm, k=k, params=params,
-                                max_new_tokens=max_new_tokens):  # fmt: skip
+    done: Finished | None = None
+    for event in decoder.stream(
+        pair, t_ids, d_ids, algorithm=algorithm, k=k, params=params, max_new_tokens=max_new_tokens
+    ):
         if isinstance(event, Finished):
             done = event
+    assert done is not None  # the stream ends with its Finished
     s = done.stats
-    return Run(prompt.id, algorithm, 0 if algorithm == "none" else k, list(done.target_ids), s.wall_s, s.tokens,
-               s.rounds, s.drafted, s.accepted, s.mean_k, s.c, s.v, s.forward_s, s.stop_reason)  # fmt: skip
+    return Run(
+        prompt.id,
+        algorithm,
+        0 if algorithm == "none" else k,
+        list(done.target_ids),
+        s.wall_s,
+        s.tokens,
+        s.rounds,
+        s.drafted,
+        s.accepted,
+        s.mean_k,
+        s.c,
+        s.v,
+        s.forward_s,
+        s.stop_reason,
+    )
 
 
 @torch.inference_mode()
@@ -74,20 +108,35 @@ def run_hf(pair: Pair, hf_drafter, prompt: Prompt, params: SamplingParams, max_n
     t_ids, _ = _ids(pair, prompt)
     eos = sorted(pair.eos_ids())
     device = pair.target.device
-    kwargs = {"do_sample": False} if params.greedy else {
-        "do_sample": True, "temperature": params.temperature, "top_k": params.top_k or None,
-        "top_p": params.top_p}  # fmt: skip
+    kwargs = (
+        {"do_sample": False}
+        if params.greedy
+        else {
+            "do_sample": True,
+            "temperature": params.temperature,
+            "top_k": params.top_k or None,
+            "top_p": params.top_p,
+        }
+    )
     if params.seed is not None:
         torch.manual_seed(params.seed)
     # transformers refuses the tokenizers when both models share one (it then runs its same-vocabulary assisted path)
-    tokenizers = {} if pair.same_tokenizer else {"tokenizer": pair.target_tokenizer,
-                                                 "assistant_tokenizer": pair.drafter_tokenizer}  # fmt: skip
+    tokenizers = (
+        {}
+        if pair.same_tokenizer
+        else {"tokenizer": pair.target_tokenizer, "assistant_tokenizer": pair.drafter_tokenizer}
+    )
     t0 = time.perf_counter()
     out = pair.target.generate(
-        torch.tensor([t_ids], device=device), attention_mask=torch.ones(1, len(t_ids), device=device),
-        assistant_model=hf_drafter, max_new_tokens=max_new_tokens, eos_token_id=eos, pad_token_id=eos[0], **kwargs,
+        torch.tensor([t_ids], device=device),
+        attention_mask=torch.ones(1, len(t_ids), device=device),
+        assistant_model=hf_drafter,
+        max_new_tokens=max_new_tokens,
+        eos_token_id=eos,
+        pad_token_id=eos[0],
+        **kwargs,
         **tokenizers,
-    )  # fmt: skip
+    )
     wall = time.perf_counter() - t0
     ids = out[0, len(t_ids) :].tolist()
     for j, t in enumerate(ids):  # ours reports the answer without its end-of-sequence token
@@ -105,7 +154,7 @@ def _mean(xs):
 def variants(algorithms: list[str], k) -> list[tuple[str, int | str | None]]:
     """(algorithm, draft length) pairs to run: plain decoding once, transformers once (it picks its own length), and
     every drafting algorithm at `k`, or at each k of SWEEP_K when k is "sweep"."""
-    out = []
+    out: list[tuple[str, int | str | None]] = []
     for a in algorithms:
         if a == "none":
             out.append(("none", 0))
@@ -128,43 +177,59 @@ def summarize(runs: list[Run], plan: list[tuple], greedy: bool) -> list[dict]:
         tokens = sum(r.tokens for r in rs)
         ours = a != "hf"
         drafted = sum(r.drafted or 0 for r in rs)
-        verify_rounds = sum((r.drafted / r.mean_k) if r.mean_k else 0 for r in rs)
+        verify_rounds = sum((r.drafted / r.mean_k) if r.drafted is not None and r.mean_k else 0 for r in rs)
         forward = sum(r.forward_s or 0.0 for r in rs)
-        rows.append({
-            "algorithm": a,
-            "k": k,
-            "wall_s": wall,
-            "tokens_per_s": tokens / wall if wall else 0.0,
-            "speedup_vs_none": none_wall / wall if none_wall and wall else None,
-            "speedup_vs_hf": hf_wall / wall if hf_wall and wall else None,
-            "acceptance_rate": sum(r.accepted for r in rs) / drafted if ours and drafted else None,
-            "tokens_per_round": tokens / sum(r.rounds for r in rs) if ours else None,
-            "mean_k": drafted / verify_rounds if ours and verify_rounds else (0.0 if ours else None),
-            "c": _mean(r.c for r in rs) if ours else None,
-            "v": _mean(r.v for r in rs) if ours else None,
-            "overhead_share": max(0.0, 1 - forward / wall) if ours and wall else None,
-            "identical_to_none": (all(r.target_ids == plain[r.prompt] for r in rs) if plain else None)
-            if greedy else None,
-            # the rate, not just all-or-none: in bf16 or 4-bit, rounding can swap near-tied tokens (usd.numerics)
-            "identical_rate": (sum(r.target_ids == plain[r.prompt] for r in rs) / len(rs) if plain and rs else None)
-            if greedy else None,
-            "tokens": tokens,
-        })  # fmt: skip
+        rows.append(
+            {
+                "algorithm": a,
+                "k": k,
+                "wall_s": wall,
+                "tokens_per_s": tokens / wall if wall else 0.0,
+                "speedup_vs_none": none_wall / wall if none_wall and wall else None,
+                "speedup_vs_hf": hf_wall / wall if hf_wall and wall else None,
+                "acceptance_rate": sum(r.accepted or 0 for r in rs) / drafted if ours and drafted else None,
+                "tokens_per_round": tokens / sum(r.rounds or 0 for r in rs) if ours else None,
+                "mean_k": drafted / verify_rounds if ours and verify_rounds else (0.0 if ours else None),
+                "c": _mean(r.c for r in rs) if ours else None,
+                "v": _mean(r.v for r in rs) if ours else None,
+                "overhead_share": max(0.0, 1 - forward / wall) if ours and wall else None,
+                "identical_to_none": (all(r.target_ids == plain[r.prompt] for r in rs) if plain else None)
+                if greedy
+                else None,
+                # the rate, not just all-or-none: in bf16 or 4-bit, rounding can swap near-tied tokens (usd.numerics)
+                "identical_rate": (sum(r.target_ids == plain[r.prompt] for r in rs) / len(rs) if plain and rs else None)
+                if greedy
+                else None,
+                "tokens": tokens,
+            }
+        )
     return rows
 
 
 def machine(pair: Pair) -> dict:
     return {
-        "date": datetime.datetime.now().isoformat(timespec="seconds"), "platform": platform.platform(),
-        "processor": platform.processor() or platform.machine(), "cpu_threads": torch.get_num_threads(),
-        "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None, "torch": torch.__version__,
-        "transformers": __import__("transformers").__version__, "target": pair.target_name,
-        "drafter": pair.drafter_name, "dtype": str(pair.target.dtype).replace("torch.", ""),
-    }  # fmt: skip
+        "date": datetime.datetime.now().isoformat(timespec="seconds"),
+        "platform": platform.platform(),
+        "processor": platform.processor() or platform.machine(),
+        "cpu_threads": torch.get_num_threads(),
+        "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+        "torch": torch.__version__,
+        "transformers": __import__("transformers").__version__,
+        "target": pair.target_name,
+        "drafter": pair.drafter_name,
+        "dtype": str(pair.target.dtype).replace("torch.", ""),
+    }
 
 
-def bench(pair: Pair, prompts: list[Prompt], algorithms: list[str], k="auto", params: SamplingParams | None = None,
-          max_new_tokens: int = 64, log=print) -> dict:  # fmt: skip
+def bench(
+    pair: Pair,
+    prompts: list[Prompt],
+    algorithms: list[str],
+    k="auto",
+    params: SamplingParams | None = None,
+    max_new_tokens: int = 64,
+    log=print,
+) -> dict:
     """Run every (algorithm, k) of `variants` on every prompt, interleaved, after a warm-up. k may be "sweep"."""
     params = params or SamplingParams()
     algorithms = [a for a in algorithms if a != "standard" or pair.same_tokenizer]
@@ -179,7 +244,7 @@ def bench(pair: Pair, prompts: list[Prompt], algorithms: list[str], k="auto", pa
         return run_ours(pair, prompt, a, kk, p, n)
 
     log(f"warm-up: every algorithm once on {prompts[0].id}, 8 tokens")
-    first = {}
+    first: dict[str, tuple[str, int | str | None]] = {}
     for a, kk in plan:
         first.setdefault(a, (a, kk))
     for variant in first.values():
@@ -191,44 +256,20 @@ def bench(pair: Pair, prompts: list[Prompt], algorithms: list[str], k="auto", pa
         for variant in order:
             runs.append(one(prompt, variant, max_new_tokens, seed))
         done = {(r.algorithm, r.k): r for r in runs[-len(order) :]}
-        log(f"[{i + 1}/{len(prompts)}] {prompt.id}: " + "  ".join(
-            f"{label(*v)} {done[v].wall_s:.2f}s" for v in plan))  # fmt: skip
-    return {"summary": summarize(runs, plan, params.greedy), "prompts": [asdict(r) for r in runs],
-            "machine": machine(pair), "settings": {"k": k, "temperature": params.temperature, "top_k": params.top_k,
-            "top_p": params.top_p, "seed": params.seed, "max_new_tokens": max_new_tokens}}  # fmt: skip
-
-
-def label(algorithm: str, k) -> str:
-    return algorithm if k in (0, None) else f"{algorithm} k={k}"
-
-
-def _fmt(x, spec=".2f"):
-    if x is None:
-        return "-"
-    if isinstance(x, bool):
-        return "yes" if x else "NO"
-    return format(x, spec)
-
-
-def _identity(row: dict) -> str:
-    rate = row.get("identical_rate")
-    return "-" if rate is None else ("yes" if rate == 1 else f"NO: {rate:.0%}")
-
-
-def table(summary: list[dict], dtype: str | None = None) -> str:
-    """The summary as a Markdown table; `dtype`, the precision the target ran in, heads the identity column."""
-    head = ["algorithm", "wall s", "tok/s", "vs none", "vs hf", "alpha", "tau", "mean k", "c", "v", "overhead",
-            f"identical ({dtype})" if dtype else "identical"]  # fmt: skip
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for r in summary:
-        cells = [label(r["algorithm"], r["k"]), _fmt(r["wall_s"], ".1f"), _fmt(r["tokens_per_s"], ".1f"),
-                 _fmt(r["speedup_vs_none"]) + ("x" if r["speedup_vs_none"] else ""),
-                 _fmt(r["speedup_vs_hf"]) + ("x" if r["speedup_vs_hf"] else ""), _fmt(r["acceptance_rate"]),
-                 _fmt(r["tokens_per_round"]), _fmt(r["mean_k"], ".1f"), _fmt(r["c"]), _fmt(r["v"]),
-                 _fmt(r["overhead_share"] * 100 if r["overhead_share"] is not None else None, ".1f")
-                 + ("%" if r["overhead_share"] is not None else ""), _identity(r)]  # fmt: skip
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+        log(f"[{i + 1}/{len(prompts)}] {prompt.id}: " + "  ".join(f"{label(*v)} {done[v].wall_s:.2f}s" for v in plan))
+    return {
+        "summary": summarize(runs, plan, params.greedy),
+        "prompts": [asdict(r) for r in runs],
+        "machine": machine(pair),
+        "settings": {
+            "k": k,
+            "temperature": params.temperature,
+            "top_k": params.top_k,
+            "top_p": params.top_p,
+            "seed": params.seed,
+            "max_new_tokens": max_new_tokens,
+        },
+    }
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -236,31 +277,46 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--drafter", help="default: the catalog's default drafter")
     p.add_argument("--dataset", default="humaneval", help="humaneval, mtbench, or a JSONL file (prompt or messages)")
     p.add_argument("--limit", type=int, default=20, help="how many prompts (default 20)")
-    p.add_argument("--algorithms", default="none,tli,slem,auto,hf",
-                   help=f"comma-separated, from {','.join(ALGORITHMS)} (default none,tli,slem,auto,hf)")  # fmt: skip
+    p.add_argument(
+        "--algorithms",
+        default="none,tli,slem,auto,hf",
+        help=f"comma-separated, from {','.join(ALGORITHMS)} (default none,tli,slem,auto,hf)",
+    )
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-new-tokens", type=int, default=64)
-    p.add_argument("--draft-tokens", default="auto",
-                   help=f"K, auto (adapt per round; default) or sweep (each k of {SWEEP_K[0]}..{SWEEP_K[-1]})")
+    p.add_argument(
+        "--draft-tokens",
+        default="auto",
+        help=f"K (1-{settings.DRAFT_TOKENS_MAX}), auto (adapt per round; default) or sweep (each k of "
+        f"{SWEEP_K[0]}..{SWEEP_K[-1]})",
+    )
     p.add_argument("--plot", metavar="OUT.png", help="write the figures (speedups, alpha/tau against k, theory)")
-    p.add_argument("--pairs", metavar="suggested",
-                   help="'suggested': every suggested pair of the catalog whose models are on this machine")
+    p.add_argument(
+        "--pairs",
+        metavar="suggested",
+        help="'suggested': every suggested pair of the catalog whose models are on this machine",
+    )
     p.add_argument("--json", metavar="OUT", help="write the full result as JSON")
     p.add_argument("--csv", metavar="OUT", help="write the summary rows as CSV")
     p.add_argument("--device", choices=["cpu", "cuda"])
-    p.add_argument("--precision", choices=["nf4", "int8", "bf16", "fp16", "fp32"],
-                   help="for both models; identity checks want fp32 on a CPU")  # fmt: skip
+    p.add_argument(
+        "--precision", choices=get_args(Precision), help="for both models; identity checks want fp32 on a CPU"
+    )
 
 
 def parse_k(text: str):
-    if text in ("auto", "sweep"):
+    """--draft-tokens: what generation accepts (usd.settings), or "sweep", which only the benchmark has."""
+    if text == "sweep":
         return text
-    if not text.isdigit() or not 1 <= int(text) <= 64:
-        raise ValueError(f"--draft-tokens must be a number from 1 to 64, auto or sweep, got {text!r}")
-    return int(text)
+    try:
+        return settings.check_draft_tokens(int(text) if text.isdigit() else text)
+    except ValueError:
+        raise ValueError(
+            f"--draft-tokens must be a number from 1 to {settings.DRAFT_TOKENS_MAX}, auto or sweep, got {text!r}"
+        ) from None
 
 
 def pairs_to_run(args, catalog) -> list[tuple[str | None, str | None]]:
@@ -270,18 +326,21 @@ def pairs_to_run(args, catalog) -> list[tuple[str | None, str | None]]:
         return [(args.target, args.drafter)]
     if args.pairs != "suggested":
         raise ValueError(f"--pairs takes 'suggested', got {args.pairs!r}")
-    from .store import local_path
+    from ..store import local_path
 
-    ready = [(p.target, p.drafter) for p in catalog.pairs
-             if local_path(catalog.get(p.target)) is not None and local_path(catalog.get(p.drafter)) is not None]
+    ready = [
+        (p.target, p.drafter)
+        for p in catalog.pairs
+        if local_path(catalog.get(p.target)) is not None and local_path(catalog.get(p.drafter)) is not None
+    ]
     if not ready:
         raise ValueError("no suggested pair has both models on this machine; `usd pull` one (see `usd models`)")
-    return ready  # fmt: skip
+    return ready
 
 
 def run_cli(args, catalog=None) -> int:
-    from .api import load_pair
-    from .catalog import load_catalog
+    from ..api import load_pair
+    from ..catalog import load_catalog
 
     catalog = catalog or load_catalog()
     algorithms = [a.strip() for a in args.algorithms.split(",") if a.strip()]
@@ -303,8 +362,6 @@ def run_cli(args, catalog=None) -> int:
         print(f"\n{pair.target_name} + {pair.drafter_name}, {args.dataset}:\n{summary}")
         if args.plot:
             out = args.plot if not args.pairs else pair_plot_path(args.plot, result)
-            from .plots import plot
-
             plot(result, out)
             log(f"plot: {out}")
         results.append(result)
@@ -318,16 +375,11 @@ def run_cli(args, catalog=None) -> int:
             w = csv.DictWriter(f, fieldnames=keys, extrasaction="ignore")
             w.writeheader()
             for result in results:
-                w.writerows({**row, "target": result["machine"]["target"], "drafter": result["machine"]["drafter"]}
-                            for row in result["summary"])  # fmt: skip
+                w.writerows(
+                    {**row, "target": result["machine"]["target"], "drafter": result["machine"]["drafter"]}
+                    for row in result["summary"]
+                )
     return 0
-
-
-def pair_plot_path(path: str, result: dict) -> str:
-    """Where one pair's figure goes when a run holds several pairs: OUT-TARGET+DRAFTER.png."""
-    tag = f"{result['machine']['target']}+{result['machine']['drafter']}"
-    stem, dot, ext = path.rpartition(".")
-    return f"{stem}-{tag}.{ext}" if dot else f"{path}-{tag}"
 
 
 def main(argv: list[str] | None = None) -> int:

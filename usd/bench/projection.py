@@ -13,9 +13,13 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from .theory import expected_speedup, expected_tokens_per_round
+from ..settings import ALGORITHMS
+from ..theory import expected_speedup, expected_tokens_per_round
 
-PROFILES = Path(__file__).resolve().parent / "profiles"
+PROFILES = Path(__file__).resolve().parent.parent / "profiles"
+"""The profiles that ship with the package (usd/profiles)."""
+FIXED = tuple(a for a in ALGORITHMS if a not in ("auto", "none"))
+"""The algorithms that draft the same way every round, so that one alpha describes them (standard, tli, slem)."""
 
 
 def load_profiles(path: str | None = None) -> list[tuple[str, dict]]:
@@ -41,8 +45,8 @@ def _find(models: dict, spec: str) -> dict | None:
 def costs(profile: dict, target: str, drafter: str) -> tuple[float, dict[int, float]]:
     """(c, {k: v(k)}) for a target and a drafter of the profile (NAME or NAME@PRECISION)."""
     t, d = _find(profile["models"], target), _find(profile["models"], drafter)
-    missing = [name for name, m in ((target, t), (drafter, d)) if m is None]
-    if missing:
+    if t is None or d is None:
+        missing = [name for name, m in ((target, t), (drafter, d)) if m is None]
         raise ValueError(f"{', '.join(missing)} not in the profile ({', '.join(profile['models'])})")
     step = t["step_s"]
     return d["step_s"] / step, {int(k): s / step for k, s in t["verify_s"].items()}
@@ -57,8 +61,15 @@ def project(alpha: float, c: float, v: dict[int, float] | float, k_max: int = 8)
         vk = v if isinstance(v, (int, float)) else v.get(k)
         if vk is None:
             break
-        rows.append({"k": k, "tau": expected_tokens_per_round(alpha, k), "c": c, "v": vk,
-                     "speedup": expected_speedup(alpha, k, c, vk)})  # fmt: skip
+        rows.append(
+            {
+                "k": k,
+                "tau": expected_tokens_per_round(alpha, k),
+                "c": c,
+                "v": vk,
+                "speedup": expected_speedup(alpha, k, c, vk),
+            }
+        )
     return rows
 
 
@@ -69,7 +80,7 @@ def alphas_from_bench(result: dict) -> dict[str, float]:
     for summary in summaries:
         for row in summary:
             # auto mixes plain steps and algorithms round by round: its alpha describes no single algorithm
-            if row["algorithm"] in ("standard", "tli", "slem") and row.get("acceptance_rate"):
+            if row["algorithm"] in FIXED and row.get("acceptance_rate"):
                 by.setdefault(row["algorithm"], []).append(row["acceptance_rate"])
     if not by:
         raise ValueError("the bench result has no drafting algorithm with an acceptance rate")
@@ -118,14 +129,22 @@ def run_cli(args) -> int:
         if not (args.target_config and args.drafter_config):
             raise ValueError("name the models with --target-config and --drafter-config (or give --c and --v)")
         name, profile, c, v = _from_profiles(args)
-    out = {"profile": name, "device": profile.get("device"), "target": args.target_config,
-           "drafter": args.drafter_config, "c": c,
-           "projections": {a: project(alpha, c, v, args.k_max) for a, alpha in alphas.items()}, "alpha": alphas}
+    out = {
+        "profile": name,
+        "device": profile.get("device"),
+        "target": args.target_config,
+        "drafter": args.drafter_config,
+        "c": c,
+        "projections": {a: project(alpha, c, v, args.k_max) for a, alpha in alphas.items()},
+        "alpha": alphas,
+    }
     if args.json:
         print(json.dumps(out, indent=1))
         return 0
-    print(f"{args.target_config or 'target'} + {args.drafter_config or 'drafter'} on {out['device']} ({name}): "
-          f"c = {c:.3f}")
+    print(
+        f"{args.target_config or 'target'} + {args.drafter_config or 'drafter'} on {out['device']} ({name}): "
+        f"c = {c:.3f}"
+    )
     for a, rows in out["projections"].items():
         best = max(rows, key=lambda r: r["speedup"])
         print(f"\n{a}: alpha = {alphas[a]:.2f}; best k = {best['k']}, expected speedup {best['speedup']:.2f}x")
