@@ -374,10 +374,16 @@ def time_c(target: Model, drafter: Model, ref: Reference, pair=None, repeats: in
 
 
 def vocabulary(target: Model, drafter: Model) -> dict:
-    """Shared vocabulary and the tli alpha ceiling (the share of the target's tokens of sample text inside it)."""
-    from app.pairs import overlap_numbers  # TODO: from usd.vocab once the alpha ceiling has moved there
+    """What `usd overlap` prints for the pair (shared vocabulary against the rows each model scores, tli's alpha
+    ceiling as `alpha_ceiling_tli`), and whether the two tokenizers are one (`standard` can run)."""
+    from .pair import model_vocab_size
+    from .vocab import overlap_report, same_vocabulary
 
-    return overlap_numbers(target.tokenizer, drafter.tokenizer)
+    report = overlap_report(
+        target.tokenizer, drafter.tokenizer, model_vocab_size(target.model), model_vocab_size(drafter.model)
+    )
+    report["same_tokenizer"] = same_vocabulary(target.tokenizer, drafter.tokenizer)
+    return report
 
 
 def unavailable(pair, vocab: dict) -> dict[str, str]:
@@ -403,7 +409,7 @@ def measure(target: Model, drafter: Model, refs: list[Reference], log=lambda msg
         tokenizer=vocab["drafter_tokenizer"],
         shared=vocab["shared"],
         shared_pct_target=vocab["shared_pct_target"],
-        alpha_ceiling=vocab["alpha_ceiling"],
+        alpha_ceiling=vocab["alpha_ceiling_tli"],
         same_tokenizer=vocab["same_tokenizer"],
         unavailable=unavailable(pair, vocab),
     )
