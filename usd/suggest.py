@@ -35,11 +35,15 @@ import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from .datasets import Prompt
 from .schedule import K_MAX, tau
+
+if TYPE_CHECKING:
+    from .catalog import Precision
 
 ALGORITHMS = ("tli", "slem", "standard")
 ANSWER_TOKENS = 32
@@ -128,7 +132,7 @@ def rank(measured: Iterable[Measured], v: dict[int, float]) -> list[dict]:
     last. Each row says why it stands where it does."""
     rows = []
     for m in measured:
-        row = {
+        row: dict[str, Any] = {
             "drafter": m.drafter,
             "family": m.family,
             "tokenizer": m.tokenizer,
@@ -148,7 +152,7 @@ def rank(measured: Iterable[Measured], v: dict[int, float]) -> list[dict]:
             acc = m.acceptance.get(algo)
             if acc is None or acc.alpha is None:
                 continue
-            cell = {
+            cell: dict[str, Any] = {
                 "alpha": acc.alpha,
                 "tokens": acc.drafted + acc.used_drafted,
                 "measured_tokens": acc.drafted,
@@ -248,7 +252,8 @@ def references(target: Model, prompts: Iterable[Prompt], max_new_tokens: int = A
         t_ids, _ = _prompt_ids(pair, prompt)
         ctx = open_context(target.model, t_ids)
         _prefill(ctx)
-        answer, logits = [], []
+        answer: list[int] = []
+        logits: list[torch.Tensor] = []
         while len(answer) < max_new_tokens:
             row = ctx.forward(keep=1)[-1]
             token = int(row.argmax())
@@ -285,7 +290,7 @@ def replay(target: Model, drafter: Model, ref: Reference, algorithm: str, k: int
     forward. Returns what the loop's stats would count (accepted, drafted), and for tli/standard the expected
     acceptance under sampling at SAMPLED_TEMPERATURE along the same positions."""
     from .decoder import Answer, DrafterState, Randomness, Verdict, propose
-    from .sampling import SamplingParams, probabilities
+    from .sampling import SamplingParams, make_generator, probabilities
     from .verify import greedy_match
 
     pair = pair or _target_pair(target, drafter)
@@ -293,10 +298,10 @@ def replay(target: Model, drafter: Model, ref: Reference, algorithm: str, k: int
     answer = Answer(pair, ref.max_new_tokens, ())
     state = DrafterState(pair, d_prompt)
     drafter_ctx = _Recording(state.ctx)
-    greedy, rng = SamplingParams(), Randomness(None, 0)
+    greedy, rng = SamplingParams(), Randomness(make_generator(0), 0)  # greedy: never drawn from
     sampled_params = SamplingParams(temperature=SAMPLED_TEMPERATURE)
     out, sampled = Acceptance(), []
-    d_ids, t_ids, vocab_t = pair.intersection() if algorithm in ("tli", "standard") else (None, None, None)
+    intersection = pair.intersection() if algorithm in ("tli", "standard") else None
     filler = min(answer.eos)
     rounds = 0
     while answer.stop_reason is None:
@@ -310,7 +315,8 @@ def replay(target: Model, drafter: Model, ref: Reference, algorithm: str, k: int
         truth = ref.answer[position : position + len(draft.candidates) + 1]
         truth += [filler] * (len(draft.candidates) + 1 - len(truth))  # past the reference: the answer stops first
         accepted, token, kind = greedy_match(truth, draft.candidates)
-        if d_ids is not None and draft.candidates and position < len(ref.logits):
+        if intersection is not None and draft.candidates and position < len(ref.logits):
+            d_ids, t_ids, vocab_t = intersection
             q = probabilities(drafter_ctx.last[d_ids], sampled_params)
             q = torch.zeros(vocab_t).index_add_(0, t_ids, q)
             p = probabilities(ref.logits[position].float(), sampled_params)
@@ -664,7 +670,11 @@ def candidates(catalog, target: str, names: list[str] | None = None, every: bool
 
 
 def loader(
-    catalog, device: str | None = None, precision: str | None = None, log=lambda msg: None, loaded: dict | None = None
+    catalog,
+    device: str | None = None,
+    precision: Precision | None = None,
+    log=lambda msg: None,
+    loaded: dict | None = None,
 ) -> Callable[[str], Model]:
     """name -> Model, each loaded once (pass `loaded` to reuse models already in memory, by name)."""
     from .loading import entry_for, load_model
