@@ -5,7 +5,8 @@
   of every tokenizer kind (fast) and on the real qwen + smollm2 pair (slow).
 - A drafter that shares no vocabulary and spells no bytes ranks last, saying why; a drafter whose c makes every k
   lose is marked slower than plain decoding; plain decoding is always a row.
-- Real generations add their counts to the store, and the ranking says how many tokens each alpha rests on.
+- Real generations add their accepted and tested positions to the store, and the ranking says how many tokens
+  each alpha rests on.
 """
 
 from __future__ import annotations
@@ -124,23 +125,35 @@ def test_a_drafter_whose_c_makes_every_k_lose_is_marked_slower_than_plain():
     assert rows[2]["best_algorithm"] == "slem"
 
 
+def rounds_of(events) -> tuple[int, int, int]:
+    """(accepted, tested, drafted) over a generation's drafting rounds."""
+    rounds = [e for e in events if isinstance(e, usd.Round) and e.drafted]
+    accepted = sum(r.accepted for r in rounds)
+    return accepted, sum(r.accepted + (r.accepted < r.drafted) for r in rounds), sum(r.drafted for r in rounds)
+
+
 def test_use_refines_the_stored_acceptance_and_the_table_says_what_it_rests_on(tiny_tokenizers, one_thread):
     t_tok, d_tok = tiny_tokenizers["target"], tiny_tokenizers["byte-level"]
     t_model, d_model = tiny_pair(t_tok, d_tok, seed=0)
     pair = usd.Pair(t_model, t_tok, d_model, d_tok, target_name="t", drafter_name="bl")
-    done = usd.generate(pair, "def fibonacci(n):", algorithm="tli", draft_tokens=2, max_new_tokens=16)
+    accepted, tested, drafted = rounds_of(
+        usd.stream(pair, "def fibonacci(n):", algorithm="tli", draft_tokens=4, max_new_tokens=16)
+    )
     usd.generate(pair, "def fibonacci(n):", algorithm="tli", max_new_tokens=8, temperature=1.0, seed=1)
-    stored = json.loads(suggest.store_path().read_text())["used"]["t|bl"]
-    assert stored["tli"] == [done.stats.accepted, done.stats.drafted]
+    stored = json.loads(suggest.store_path().read_text())[suggest.USE]["t|bl"]
+    # per tested position, as auto's cost model counts: the candidates after a rejection were never tested
+    assert stored["tli"] == [accepted, tested] and tested < drafted
     assert "tli@sampled" in stored  # kept apart: the ranking's alpha is greedy's
     suggest.record_acceptance("t", "bl", "tli", 5, 10)
-    m = Measured("bl", c=0.1, acceptance={"tli": Acceptance(30, 40)})
-    for algo, (a, n) in suggest.used_acceptance("t", "bl").items():
-        if algo in m.acceptance:
-            m.acceptance[algo].used_accepted, m.acceptance[algo].used_drafted = a, n
+    m = suggest.add_use(Measured("bl", c=0.1, acceptance={"tli": Acceptance(30, 40)}), "t")
     cell = suggest.rank([m], {k: 1.0 for k in range(1, 9)})[0]["algorithms"]["tli"]
-    assert cell["tokens"] == 40 + done.stats.drafted + 10 and cell["used_tokens"] == done.stats.drafted + 10
-    assert cell["alpha"] == pytest.approx((30 + done.stats.accepted + 5) / cell["tokens"])
+    assert cell["tokens"] == 40 + tested + 10 and cell["used_tokens"] == tested + 10
+    assert cell["alpha"] == pytest.approx((30 + accepted + 5) / cell["tokens"])
+
+
+def test_a_cached_measurement_of_before_use_was_counted_per_tested_position_still_reads():
+    old = {"drafter": "d", "acceptance": {"tli": {"accepted": 3, "drafted": 4, "used_accepted": 0, "used_drafted": 0}}}
+    assert suggest.Measured.from_dict(old).acceptance["tli"] == Acceptance(3, 4)
 
 
 def test_nothing_is_recorded_when_recording_is_off(monkeypatch):

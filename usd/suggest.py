@@ -19,8 +19,11 @@ cost model's tau assumes. Under sampling, tli's expected acceptance at a positio
 reported along the same greedy answer at temperature 1.
 
 What was measured is cached per (target, drafter, prompt set, machine) in `cache_dir()/suggest.json`, and real use
-(`usd.stream`, through `recording`) adds every generation's accepted and drafted counts per pair and algorithm, so
-the ranking rests on more tokens the more the pairs are used.
+(`usd.stream` and `usd bench`, through `recording`) adds every generation's accepted and tested positions per pair and
+algorithm, so the ranking rests on more tokens the more the pairs are used. Use runs at any k; what it adds is counted
+per tested position, as auto's cost model counts it (`schedule.CostModel.observe`): the candidates after a round's
+first rejection were never tested, so accepted / tested is the per-position alpha at any k, while accepted / drafted
+at k > 1 would fall with k (about (tau - 1) / k) and drag a pair's alpha down the longer its drafts.
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ import platform
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -85,14 +88,15 @@ class Acceptance:
     drafted: int = 0
     """Measured here (the replay along the target's answers)."""
     used_accepted: int = 0
-    used_drafted: int = 0
-    """From real use of the pair (chats, `usd generate`, `usd bench`), greedy runs only."""
+    used_tested: int = 0
+    """From real use of the pair (chats, `usd generate`, `usd bench`), greedy runs only: accepted, and tested
+    positions (each round's drafted tokens up to and including its first rejected one; at k = 1, every one)."""
     sampled: float | None = None
     """tli/standard: expected acceptance under sampling at temperature 1 (mean of sum min(p, q))."""
 
     @property
     def alpha(self) -> float | None:
-        n = self.drafted + self.used_drafted
+        n = self.drafted + self.used_tested
         return (self.accepted + self.used_accepted) / n if n else None
 
 
@@ -116,7 +120,12 @@ class Measured:
     @classmethod
     def from_dict(cls, d: dict) -> Measured:
         d = dict(d)
-        d["acceptance"] = {a: Acceptance(**x) for a, x in d.get("acceptance", {}).items()}
+        known = {f.name for f in fields(Acceptance)}
+        # caches written before use was counted per tested position hold a used_drafted (always 0 there: use is
+        # added when ranking, never stored with what was measured)
+        d["acceptance"] = {
+            a: Acceptance(**{k: v for k, v in x.items() if k in known}) for a, x in d.get("acceptance", {}).items()
+        }
         return cls(**d)
 
 
@@ -154,9 +163,9 @@ def rank(measured: Iterable[Measured], v: dict[int, float]) -> list[dict]:
                 continue
             cell: dict[str, Any] = {
                 "alpha": acc.alpha,
-                "tokens": acc.drafted + acc.used_drafted,
+                "tokens": acc.drafted + acc.used_tested,
                 "measured_tokens": acc.drafted,
-                "used_tokens": acc.used_drafted,
+                "used_tokens": acc.used_tested,
                 "sampled_alpha": acc.sampled,
             }
             if m.c is not None and v:
@@ -480,18 +489,29 @@ def _editing() -> Iterator[dict]:
         _write(data)
 
 
+USE = "use"
+"""The store's section of what use has shown: "target|drafter" -> algorithm -> [accepted, tested]. (An earlier
+section, "used", held [accepted, drafted], which is not the per-position alpha at k > 1: it is not read.)"""
+
+
+def tested_positions(accepted: int, drafted: int) -> int:
+    """The candidates of a round the verifier tested: all that were accepted, and the first rejected one if any."""
+    return accepted + (1 if accepted < drafted else 0)
+
+
 def record_acceptance(
-    target: str, drafter: str, algorithm: str, accepted: int, drafted: int, sampled: bool = False
+    target: str, drafter: str, algorithm: str, accepted: int, tested: int, sampled: bool = False
 ) -> None:
-    """Add a generation's counts to what the pair has shown in use (greedy and sampled kept apart: the ranking's
-    alpha is greedy's). Never raises: a read-only cache only means nothing is remembered."""
-    if not (target and drafter and drafted > 0) or algorithm not in ALGORITHMS or not recording_on():
+    """Add a generation's accepted and tested positions (`tested_positions`, summed over its rounds) to what the pair
+    has shown in use (greedy and sampled kept apart: the ranking's alpha is greedy's). Never raises: a read-only cache
+    only means nothing is remembered."""
+    if not (target and drafter and tested > 0) or algorithm not in ALGORITHMS or not recording_on():
         return
     key = f"{algorithm}@sampled" if sampled else algorithm
     with contextlib.suppress(OSError), _editing() as data:
-        cell = data.setdefault("used", {}).setdefault(f"{target}|{drafter}", {}).setdefault(key, [0, 0])
+        cell = data.setdefault(USE, {}).setdefault(f"{target}|{drafter}", {}).setdefault(key, [0, 0])
         cell[0] += int(accepted)
-        cell[1] += int(drafted)
+        cell[1] += int(tested)
 
 
 RECORD_ENV = "USD_CHAT_RECORD"
@@ -503,12 +523,21 @@ def recording_on() -> bool:
 
 
 def used_acceptance(target: str, drafter: str) -> dict[str, list[int]]:
-    return _read().get("used", {}).get(f"{target}|{drafter}", {})
+    """algorithm (or "algorithm@sampled") -> [accepted, tested] that use of the pair has recorded."""
+    return _read().get(USE, {}).get(f"{target}|{drafter}", {})
+
+
+def add_use(m: Measured, target: str) -> Measured:
+    """`m` with what use of (target, m.drafter) has recorded under greedy decoding added to each measured alpha."""
+    for algo, (accepted, tested) in used_acceptance(target, m.drafter).items():
+        if algo in m.acceptance:
+            m.acceptance[algo].used_accepted, m.acceptance[algo].used_tested = accepted, tested
+    return m
 
 
 def recording(pair, events: Iterator, greedy: bool) -> Iterator:
-    """`events` passed through; at Finished, each algorithm's accepted and drafted counts of this generation are
-    added to the store (`record_acceptance`)."""
+    """`events` passed through; at Finished, each algorithm's accepted and tested positions over this generation's
+    rounds are added to the store (`record_acceptance`), once per generation."""
     from .events import Finished, Round
 
     counts: dict[str, list[int]] = {}
@@ -516,7 +545,7 @@ def recording(pair, events: Iterator, greedy: bool) -> Iterator:
         if isinstance(event, Round) and event.drafted:
             cell = counts.setdefault(event.algorithm, [0, 0])
             cell[0] += event.accepted
-            cell[1] += event.drafted
+            cell[1] += tested_positions(event.accepted, event.drafted)
         elif isinstance(event, Finished) and pair.drafter_name:
             for algo, (a, d) in counts.items():
                 record_acceptance(pair.target_name, pair.drafter_name, algo, a, d, sampled=not greedy)
@@ -601,10 +630,7 @@ def suggest(
             m = measure(t, d, refs_once(), log=log)
             with _editing() as store:
                 store.setdefault("measured", {})[m_key] = asdict(m)
-        for algo, (a, n) in used_acceptance(target, name).items():
-            if algo in m.acceptance:
-                m.acceptance[algo].used_accepted, m.acceptance[algo].used_drafted = a, n
-        measured.append(m)
+        measured.append(add_use(m, target))
     progress(1.0, "ranked")
     return {
         "target": target,
