@@ -5,8 +5,8 @@
   of every tokenizer kind (fast) and on the real qwen + smollm2 pair (slow).
 - A drafter that shares no vocabulary and spells no bytes ranks last, saying why; a drafter whose c makes every k
   lose is marked slower than plain decoding; plain decoding is always a row.
-- Real generations add their accepted and tested positions to the store, and the ranking says how many tokens
-  each alpha rests on.
+- Real generations and `usd bench` runs add their accepted and tested positions to the store, and the ranking says
+  how many tokens each alpha rests on.
 """
 
 from __future__ import annotations
@@ -149,6 +149,36 @@ def test_use_refines_the_stored_acceptance_and_the_table_says_what_it_rests_on(t
     cell = suggest.rank([m], {k: 1.0 for k in range(1, 9)})[0]["algorithms"]["tli"]
     assert cell["tokens"] == 40 + tested + 10 and cell["used_tokens"] == tested + 10
     assert cell["alpha"] == pytest.approx((30 + accepted + 5) / cell["tokens"])
+
+
+def test_a_bench_run_refines_the_stored_acceptance_once_per_generation(tiny_tokenizers, one_thread, monkeypatch):
+    """`usd bench` records as chats do: each measured generation adds its accepted and tested positions per
+    algorithm; its warm-up (the first prompt's opening again) adds nothing."""
+    from usd.bench.run import bench
+
+    t_tok, d_tok = tiny_tokenizers["target"], tiny_tokenizers["sentencepiece"]
+    t_model, d_model = tiny_pair(t_tok, d_tok, seed=0)
+    pair = usd.Pair(t_model, t_tok, d_model, d_tok, target_name="t", drafter_name="sp")
+    prompts = [p for p in PROMPTS if p.prompt][:2]
+    calls = []
+    record = suggest.record_acceptance
+    monkeypatch.setattr(suggest, "record_acceptance", lambda *a, **kw: (calls.append(a), record(*a, **kw)))
+    result = bench(pair, prompts, ["none", "tli", "slem"], k=3, max_new_tokens=12, log=lambda *_: None)
+    runs = [r for r in result["prompts"] if r["drafted"]]
+    assert len(calls) == len(runs) == 2 * len(prompts)  # once per finished generation and algorithm
+    stored = suggest.used_acceptance("t", "sp")
+    assert set(stored) == {"tli", "slem"}
+    monkeypatch.setenv(suggest.RECORD_ENV, "0")  # the same generations again, counted here rather than stored
+    for algorithm in ("tli", "slem"):
+        expected = [0, 0]
+        for r in (r for r in runs if r["algorithm"] == algorithm):
+            prompt = next(p.prompt for p in prompts if p.id == r["prompt"])
+            accepted, tested, _ = rounds_of(
+                usd.stream(pair, prompt, algorithm=algorithm, draft_tokens=3, max_new_tokens=12)
+            )
+            assert accepted == r["accepted"]
+            expected = [expected[0] + accepted, expected[1] + tested]
+        assert stored[algorithm] == expected, algorithm
 
 
 def test_a_cached_measurement_of_before_use_was_counted_per_tested_position_still_reads():
