@@ -92,7 +92,9 @@ def rank_drafters(h, t_choice, t_free="", progress=gr.Progress()):  # noqa: B008
                 loaded[name] = suggest.Model(name, model, tok, pairs.catalog.get(name).family)
     load = suggest.loader(pairs.catalog, pairs.device, pairs.precision, loaded=loaded)
     key, prompts = suggest.prompt_set(PROMPTS)
-    report = suggest.suggest(target, drafters, load, prompts, key, progress=lambda f, msg: progress(f, desc=msg))
+    report = suggest.suggest(
+        target, drafters, load, prompts, key, precision=pairs.precision, progress=lambda f, msg: progress(f, desc=msg)
+    )
     best = next((r for r in report["rows"] if not r.get("plain")), None)
     runnable = [r["drafter"] for r in report["rows"] if not r.get("plain") and r["expected_speedup"] is not None]
     message = (

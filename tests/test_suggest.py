@@ -12,8 +12,10 @@
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 
 import pytest
+import torch
 from tiny_pairs import tiny_pair
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
@@ -21,6 +23,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 import usd
 from usd import suggest
 from usd.datasets import Prompt
+from usd.pair import Context
 from usd.suggest import Acceptance, Measured, Model
 
 PROMPTS = [
@@ -111,6 +114,51 @@ def test_ranking_measures_tiny_drafters_and_puts_the_one_that_cannot_draft_last(
     again = suggest.suggest("t", ["no-vocab", "bl"], load, PROMPTS[:2], "tiny", answer_tokens=16)
     assert loads == ["t"] and [r["drafter"] for r in again["rows"]] == [r["drafter"] for r in report["rows"]]
     assert "| no-vocab |" in suggest.format_table(report)
+
+
+class ContextOnly:
+    """A model as the llama.cpp runner (precision gguf) presents one, `usd/llamacpp.py`'s LlamaCppModel: `new_context`,
+    a config with vocab_size and max_position_embeddings, device, dtype and generation_config, and nothing of the
+    transformers model API (no forward call, parameters or output embeddings), so whatever reaches for those fails."""
+
+    def __init__(self, model):
+        self._model = model
+        vocab = model.get_output_embeddings().weight.shape[0]
+        n_ctx = model.config.max_position_embeddings
+        self.config = SimpleNamespace(vocab_size=vocab, max_position_embeddings=n_ctx, model_type="gguf")
+        self.device, self.dtype = torch.device("cpu"), torch.float32
+        self.generation_config = model.generation_config
+
+    def new_context(self, ids):
+        return Context(self._model, ids)
+
+
+MEASURED = ("alpha", "measured_tokens", "sampled_alpha")
+
+
+@pytest.mark.parametrize("which", ["target", "both"])
+def test_suggest_runs_through_the_context_interface_as_for_a_gguf_model(tiny_tokenizers, one_thread, which):
+    """Every model forward of `usd suggest` goes through the decoding context, so a gguf model (the 1.5B target's
+    catalog precision on a CPU) measures as a transformers one does: the same answers and the same acceptance."""
+    t_tok, d_tok = tiny_tokenizers["target"], tiny_tokenizers["byte-level"]
+    t_model, d_model = tiny_pair(t_tok, d_tok, seed=0)
+    plain = {"t": Model("t", t_model, t_tok), "bl": Model("bl", d_model, d_tok, "tiny")}
+    wrapped = {"t": Model("t", ContextOnly(t_model), t_tok), "bl": plain["bl"]}
+    if which == "both":
+        wrapped["bl"] = Model("bl", ContextOnly(d_model), d_tok, "tiny")
+    assert not hasattr(wrapped["t"].model, "parameters") and not callable(wrapped["t"].model)
+    expected = suggest.suggest("t", ["bl"], plain.__getitem__, PROMPTS[:2], "tiny", answer_tokens=16)
+    got = suggest.suggest("t", ["bl"], wrapped.__getitem__, PROMPTS[:2], "tiny", answer_tokens=16, precision="gguf")
+    assert got["machine"].endswith("/cpu/gguf/ContextOnly") and expected["machine"].endswith("/transformers")
+    rows = [{r["drafter"]: r for r in report["rows"]}["bl"] for report in (expected, got)]
+    for algorithm in ("tli", "slem"):
+        a, b = ({key: row["algorithms"][algorithm][key] for key in MEASURED} for row in rows)
+        assert a == b, algorithm
+    assert rows[1]["c"] > 0 and sorted(got["v"]) == list(range(1, 9))
+    refs = [suggest.references(m["t"], PROMPTS[:2], 16) for m in (plain, wrapped)]
+    assert [r.answer for r in refs[0]] == [r.answer for r in refs[1]]
+    # a drafter's numbers are kept per precision override: its runner changes c, which the target's machine hides
+    assert any("|bl@gguf|" in key for key in json.loads(suggest.store_path().read_text())["measured"])
 
 
 def test_a_drafter_whose_c_makes_every_k_lose_is_marked_slower_than_plain():

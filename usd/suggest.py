@@ -553,10 +553,15 @@ def recording(pair, events: Iterator, greedy: bool) -> Iterator:
 
 
 def machine(model) -> str:
-    """What the timings belong to: this host, its CPU count, the device, dtype and runner of the model."""
-    param = next(iter(model.parameters()), None) if hasattr(model, "parameters") else None
-    where = f"{param.device.type}/{str(param.dtype).removeprefix('torch.')}" if param is not None else "?"
-    runner = type(model).__name__ if hasattr(model, "new_context") else "transformers"
+    """What the timings belong to: this host, its CPU count, the device, the weights and the runner of the model. A
+    model that brings its own decoding context (`new_context`: the llama.cpp runner, precision gguf) runs its GGUF's
+    own quantized weights and has no torch parameters to ask."""
+    if hasattr(model, "new_context"):
+        where, runner = f"{model.device.type}/gguf", type(model).__name__
+    else:
+        param = next(iter(model.parameters()), None)
+        where = f"{param.device.type}/{str(param.dtype).removeprefix('torch.')}" if param is not None else "?"
+        runner = "transformers"
     return f"{platform.node()}/{platform.machine()}/{os.cpu_count()}cpu/{where}/{runner}"
 
 
@@ -588,12 +593,15 @@ def suggest(
     *,
     answer_tokens: int = ANSWER_TOKENS,
     refresh: bool = False,
+    precision: str | None = None,
     log: Callable[[str], None] = lambda msg: None,
     progress: Callable[[float, str], None] | None = None,
 ) -> dict:
     """Measure what is not cached yet, rank, and return {target, prompts, machine, v, rows}. `load(name)` gives a
     loaded Model (called only for what must be measured); cached numbers are keyed by machine, so the target is
-    loaded whenever anything is measured, to know the machine it runs on."""
+    loaded whenever anything is measured, to know the machine it runs on. `precision` is the override `load` applies
+    to every model (None: each its catalog's): a drafter's c depends on its runner and weights, which the target's
+    machine does not say, so it keys each drafter's numbers too."""
     progress = progress or (lambda f, msg: log(msg))
     key_set = f"{prompts_key}@{answer_tokens}"
     progress(0.0, f"loading {target}")
@@ -620,7 +628,7 @@ def suggest(
     v = {int(k): x for k, x in timing["v"].items()}
     measured = []
     for i, name in enumerate(drafters):
-        m_key = f"{where}|{target}|{name}|{key_set}"
+        m_key = f"{where}|{target}|{name}@{precision or 'catalog'}|{key_set}"
         cached = _read().get("measured", {}).get(m_key)
         if cached is not None and not refresh:
             m = Measured.from_dict(cached)
@@ -717,6 +725,8 @@ def loader(
 
 
 def add_arguments(p) -> None:
+    from .settings import PRECISIONS
+
     p.add_argument("--target", help="catalog name, local directory or hub id (default: the catalog's default)")
     who = p.add_mutually_exclusive_group()
     who.add_argument(
@@ -742,8 +752,8 @@ def add_arguments(p) -> None:
     p.add_argument("--device", choices=["cpu", "cuda"], help="default: cuda when present")
     p.add_argument(
         "--precision",
-        choices=["nf4", "int8", "bf16", "fp16", "fp32"],
-        help="override the catalog's precision for every model",
+        choices=PRECISIONS,
+        help="override the catalog's precision for every model (gguf: the GGUF on llama.cpp)",
     )
 
 
@@ -772,6 +782,7 @@ def run_cli(args, catalog) -> int:
         key,
         answer_tokens=args.tokens,
         refresh=args.refresh,
+        precision=args.precision,
         log=log,
     )
     report["wall_s"] = time.perf_counter() - t0
