@@ -26,6 +26,7 @@ from usd.settings import ALGORITHMS, DRAFT_TOKENS_MAX, MAX_NEW_TOKENS_MAX, Gener
 from . import render
 from .pairs import Pairs
 from .space import gpu
+from .suggest_ui import rank_section
 
 DRAFT_CHOICES = ["auto"] + [str(k) for k in range(1, DRAFT_TOKENS_MAX + 1)]
 DEFAULT = GenerationSettings()
@@ -527,6 +528,7 @@ def _pair_tab(demo: gr.Blocks, h: Handlers, header: gr.Markdown) -> None:
         for c in pair_inputs:
             c.change(h.preview, pair_inputs, info, api_visibility="private", concurrency_limit=None)
         load_btn.click(h.load, pair_inputs, [status, header], api_visibility="private", concurrency_id=MODELS)
+        rank_section(h, pair_inputs, status, header, MODELS)
         demo.load(h.preview, pair_inputs, info, api_visibility="private", concurrency_limit=None)
 
 

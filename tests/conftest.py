@@ -9,6 +9,8 @@ the slow tier without anyone remembering to say so.
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from usd import store
@@ -18,6 +20,9 @@ from usd.store import pull
 REAL_MODELS = ["smollm2-135m-instruct", "qwen2.5-coder-0.5b-instruct", "gemma-3-270m", "qwen2.5-coder-1.5b-instruct"]
 # Fixed at import, before any test points $USD_CHAT_CACHE at a scratch directory: the real models live here.
 USER_CACHE = store.cache_dir()
+
+# The suite's generations are not use: they must not refine the acceptance `usd suggest` remembers per pair.
+os.environ["USD_CHAT_RECORD"] = "0"
 
 # Fixtures that pull the registry models (or download anything): whoever uses one, directly or through another
 # fixture, is slow.

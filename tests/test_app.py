@@ -219,6 +219,47 @@ def test_browser_chat_shows_coloured_tokens_stats_and_stop_keeps_the_chat(app):
         browser.close()
 
 
+@pytest.mark.skipif(
+    not shutil.which("chromium") and not os.environ.get("USD_CHAT_REQUIRE_BROWSER"),
+    reason="Debian's chromium is installed by .ci/run and ./dev.sh test (.ci/run requires it)",
+)
+def test_browser_pair_tab_ranks_drafters_and_loads_the_picked_pair(app):
+    """The Pair tab's ranking measures the drafters on disk for real (tests/test_suggest.py checks the handler on
+    given numbers). It loads smollm2 back, so the pair the next test switches from is still the default."""
+    from playwright.sync_api import expect, sync_playwright
+
+    with sync_playwright() as p:
+        browser = p.chromium.launch(
+            executable_path=shutil.which("chromium"),
+            args=[
+                "--no-sandbox",
+                "--disable-gpu",
+                "--disable-background-networking",
+                "--disable-component-update",
+                "--disable-sync",
+                "--no-first-run",
+            ],
+        )
+        page = browser.new_page(viewport={"width": 1400, "height": 1000})
+        page.goto(app[2])
+        page.get_by_role("tab", name="Pair").click()
+        page.locator("#rank").get_by_text("Rank drafters for this target").first.click()
+        page.locator("#rank-run").click()
+        table = page.locator("#rank-table")
+        expect(table).to_contain_text("(plain decoding)", timeout=420_000)
+        expect(table).to_contain_text("smollm2-135m-instruct")
+        expect(table).to_contain_text("gemma-3-270m")
+        expect(page.locator("#rank-status")).to_contain_text("Ranked 2 drafter(s)")
+        expect(page.locator("#rank-chart")).to_be_visible()
+        page.locator("#rank-pick input").click()
+        page.locator("#rank-pick input").fill("smollm2-135m-instruct")
+        page.locator("#rank-pick input").press("Enter")
+        page.locator("#rank-load").click()
+        expect(page.locator("#load-status")).to_contain_text("✔", timeout=120_000)
+        expect(page.locator("#pair-header")).to_contain_text("smollm2-135m-instruct")
+        browser.close()
+
+
 def test_switching_pairs_frees_the_old_models(app, client):
     """Last in this module: it leaves the Qwen + Gemma pair loaded."""
     import gc

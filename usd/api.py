@@ -16,7 +16,7 @@ import threading
 from collections.abc import Iterator
 from typing import Literal
 
-from . import chat, decoder, numerics
+from . import chat, decoder, numerics, suggest
 from .catalog import Catalog, Precision, load_catalog
 from .events import Finished, Round
 from .loading import entry_for, load_model
@@ -98,6 +98,7 @@ def stream(
         stop_strings=s.stop_strings,
         cancel=cancel,
     )
+    events = suggest.recording(pair, events, greedy=s.temperature == 0)  # what use shows refines `usd suggest`
     for event in events:
         if isinstance(event, Finished) and messages is not None and pair.drafter is not None:
             chat.record_rendering(pair.memory, rendering, event.stats.accepted, event.stats.drafted)

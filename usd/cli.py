@@ -1,4 +1,4 @@
-"""The `usd` command line: pull, models, overlap, generate, bench, project, serve."""
+"""The `usd` command line: pull, models, overlap, generate, bench, suggest, project, serve."""
 
 from __future__ import annotations
 
@@ -282,6 +282,12 @@ def cmd_bench(args) -> int:
     return run_cli(args, _catalog(args))
 
 
+def cmd_suggest(args) -> int:
+    from .suggest import run_cli
+
+    return run_cli(args, _catalog(args))
+
+
 def cmd_project(args) -> int:
     from .bench.projection import run_cli
 
@@ -362,6 +368,12 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("bench", help="all algorithms side by side on a prompt set, with speedups and identity")
     add_arguments(p)
     p.set_defaults(func=cmd_bench)
+
+    from .suggest import add_arguments as suggest_arguments
+
+    p = sub.add_parser("suggest", help="rank the drafters on this machine for a target by their expected speedup")
+    suggest_arguments(p)
+    p.set_defaults(func=cmd_suggest)
 
     from .bench.projection import add_arguments as project_arguments
 

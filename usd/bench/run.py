@@ -21,7 +21,7 @@ from typing import get_args
 
 import torch
 
-from .. import chat, decoder, settings
+from .. import chat, decoder, settings, suggest
 from ..catalog import Precision
 from ..datasets import Prompt, load_prompts
 from ..events import Finished
@@ -81,12 +81,17 @@ def _ids(pair: Pair, prompt: Prompt) -> tuple[list[int], list[int] | None]:
     return chat.prompt_ids(pair, prompt.prompt, messages, rendering="own")
 
 
-def run_ours(pair: Pair, prompt: Prompt, algorithm: str, k, params: SamplingParams, max_new_tokens: int) -> Run:
+def run_ours(
+    pair: Pair, prompt: Prompt, algorithm: str, k, params: SamplingParams, max_new_tokens: int, record: bool = True
+) -> Run:
+    """One generation through the engine. With `record`, its acceptance refines what `usd suggest` remembers of the
+    pair, as a chat's does (`suggest.recording`)."""
     t_ids, d_ids = _ids(pair, prompt)
     done: Finished | None = None
-    for event in decoder.stream(
-        pair, t_ids, d_ids, algorithm=algorithm, k=k, params=params, max_new_tokens=max_new_tokens
-    ):
+    events = decoder.stream(pair, t_ids, d_ids, algorithm=algorithm, k=k, params=params, max_new_tokens=max_new_tokens)
+    if record:
+        events = suggest.recording(pair, events, greedy=params.greedy)
+    for event in events:
         if isinstance(event, Finished):
             done = event
     assert done is not None  # the stream ends with its Finished
@@ -303,21 +308,21 @@ def bench(
     hf_drafter = copy.deepcopy(pair.drafter) if "hf" in algorithms else None
     llm = reference_llama(pair) if "llamacpp" in algorithms else None
 
-    def one(prompt, variant, n, seed):
+    def one(prompt, variant, n, seed, record=True):
         a, kk = variant
         p = SamplingParams(params.temperature, params.top_k, params.top_p, seed)
         if a == "hf":
             return run_hf(pair, hf_drafter, prompt, p, n)
         if a == "llamacpp":
             return run_llamacpp(pair, llm, prompt, p, n)
-        return run_ours(pair, prompt, a, kk, p, n)
+        return run_ours(pair, prompt, a, kk, p, n, record)
 
     log(f"warm-up: every algorithm once on {prompts[0].id}, 8 tokens")
     first: dict[str, tuple[str, int | str | None]] = {}
     for a, kk in plan:
         first.setdefault(a, (a, kk))
-    for variant in first.values():
-        one(prompts[0], variant, 8, params.seed)
+    for variant in first.values():  # not recorded: it repeats the opening of the first prompt, measured below
+        one(prompts[0], variant, 8, params.seed, record=False)
     runs = []
     for i, prompt in enumerate(prompts):
         order = plan[i % len(plan) :] + plan[: i % len(plan)]
