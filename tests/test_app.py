@@ -249,8 +249,10 @@ def test_browser_pair_tab_ranks_drafters_and_loads_the_picked_pair(app):
         expect(table).to_contain_text("(plain decoding)", timeout=420_000)
         expect(table).to_contain_text("smollm2-135m-instruct")
         expect(table).to_contain_text("gemma-3-270m")
-        expect(page.locator("#rank-status")).to_contain_text("Ranked 2 drafter(s)")
+        expect(table).to_contain_text("qwen2.5-coder-0.5b-instruct")  # the same tokenizer: standard
+        expect(page.locator("#rank-status")).to_contain_text("Ranked 3 drafter(s)")
         expect(page.locator("#rank-chart")).to_be_visible()
+        page.locator("#rank").screenshot(path=str(ROOT / "assets" / "pair-tab-ranking.png"))
         page.locator("#rank-pick input").click()
         page.locator("#rank-pick input").fill("smollm2-135m-instruct")
         page.locator("#rank-pick input").press("Enter")

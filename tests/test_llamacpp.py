@@ -63,7 +63,8 @@ def pair_of(target, drafter) -> Pair:
 def test_a_position_has_the_same_logits_alone_and_in_a_batch(gguf, name, prompt):
     model, tok = gguf[name]
     ids = tok.encode(prompt)
-    for k in (1, 4, 8, 16):
+    # past 512 positions the single-row attention kernel changes; the longest verify (17 tokens) covers it there
+    for k in (1, 4, 8, 16) if prompt != LONG else (16,):
         gap = llamacpp.batch_invariance(model, ids, k)
         assert gap == 0.0, (
             f"{name}: a batch of {k + 1} differs from single steps by {gap:.3g} logits; llama.cpp "
@@ -136,7 +137,7 @@ def test_target_and_drafter_sharing_one_llama_context(gguf):
 @needs_llama
 def test_mixed_runners_equal_plain_greedy(gguf, fp32, mix):
     pair = pair_of(gguf[QWEN], fp32[SMOL]) if mix.startswith("gguf") else pair_of(fp32[QWEN], gguf[SMOL])
-    for prompt in (PROMPTS[0], PROMPTS[2]):
+    for prompt in (PROMPTS[0], PROMPTS[2]) if mix.startswith("gguf") else (PROMPTS[2],):  # fp32 targets are slow
         _identity(pair, prompt)
     _identity(pair, messages=[{"role": "user", "content": CHATS[0]}], algorithms=(("tli", 4),))
 
