@@ -411,7 +411,7 @@ def test_api_needs_a_drafter_for_speculation(real_tokenizers):
 
 
 PROMPT = "def fibonacci(n):"
-COMMON = ["--device", "cpu", "--precision", "fp32", "--max-new-tokens", "8"]
+COMMON = ["--target", QWEN, "--drafter", SMOL, "--device", "cpu", "--precision", "fp32", "--max-new-tokens", "8"]
 STATS_KEYS = {
     "algorithm",
     "rounds",

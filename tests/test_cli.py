@@ -29,8 +29,8 @@ def test_models_json_lists_every_entry_with_readiness(catalog, real_paths, capsy
     for name, path in real_paths.items():
         assert rows[name]["ready"] is True and rows[name]["path"] == str(path)
     assert rows["llama-3.1-70b-instruct"]["ready"] is False  # a hub model that is not here
-    assert rows["qwen2.5-coder-0.5b-instruct"]["default"] and rows["smollm2-135m-instruct"]["default"]
-    assert data["default"] == {"target": "qwen2.5-coder-0.5b-instruct", "drafter": "smollm2-135m-instruct"}
+    assert rows["qwen2.5-coder-1.5b-instruct"]["default"] and rows["smollm2-135m-instruct"]["default"]
+    assert data["default"] == {"target": "qwen2.5-coder-1.5b-instruct", "drafter": "smollm2-135m-instruct"}
     assert len(data["pairs"]) == len(catalog.pairs)
 
 
@@ -38,7 +38,7 @@ def test_models_json_lists_every_entry_with_readiness(catalog, real_paths, capsy
 def test_models_table(real_paths, capsys):
     assert main(["models"]) == 0
     out = capsys.readouterr().out
-    assert "qwen2.5-coder-0.5b-instruct" in out and "(default)" in out and "Suggested pairs" in out
+    assert "qwen2.5-coder-1.5b-instruct" in out and "(default)" in out and "Suggested pairs" in out
 
 
 @pytest.mark.real_models
