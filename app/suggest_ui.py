@@ -125,6 +125,8 @@ def rank_section(h, pair_inputs: list, status, header, models_group: str) -> Non
             x="drafter",
             y="expected speedup",
             height=220,
+            y_lim=[0, None],  # from zero, so a bar's length is its speedup
+            sort="-y",  # in the ranking's order
             label="Expected speedup (1 = plain)",
             elem_id="rank-chart",
         )
