@@ -190,6 +190,11 @@ class LlamaCppModel:
 
     # --- the cache -------------------------------------------------------------------------------------------------
 
+    def forget(self) -> None:
+        """Empty the cache: the next context feeds everything."""
+        self.owner = None
+        self.keep_first(0)
+
     def keep_first(self, n: int) -> None:
         """Drop the cached positions from n on (sequence removal: the cache's own rollback)."""
         if len(self.kv) > n:
@@ -297,8 +302,7 @@ def batch_invariance(model: LlamaCppModel, ids: list[int], k: int = 8) -> float:
     """The largest difference between the logits of the last k+1 positions of `ids` evaluated one at a time and in
     one batch (0.0: the same bits, as lossless decoding needs). Leaves the model's cache empty."""
     k = min(k, len(ids) - 1)
-    model.owner = None
-    model.keep_first(0)
+    model.forget()
     model.feed(ids[: -k - 1], 1)
     single = np.concatenate([model.feed([t], 1) for t in ids[-k - 1 :]])
     model.keep_first(len(ids) - k - 1)

@@ -157,6 +157,16 @@ def run_hf(pair: Pair, hf_drafter, prompt: Prompt, params: SamplingParams, max_n
     return Run(prompt.id, "hf", None, ids, wall, len(ids))
 
 
+def forget_caches(pair: Pair) -> None:
+    """Empty the llama.cpp caches a pair keeps between generations (transformers' are per generation already), so
+    that no run reuses the prompt another one just read."""
+    from ..llamacpp import LlamaCppModel
+
+    for model in (pair.target, pair.drafter):
+        if isinstance(model, LlamaCppModel):
+            model.forget()
+
+
 def reference_llama(pair: Pair):
     """llama-cpp-python's high-level `Llama` on the target's GGUF, as a user would open it: its default kernels
     (repacked weights and all), the same threads and context as our runner's."""
@@ -182,6 +192,7 @@ def run_llamacpp(pair: Pair, llm, prompt: Prompt, params: SamplingParams, max_ne
         sampling = {"temp": params.temperature, "top_k": params.top_k or 0, "top_p": params.top_p, "min_p": 0.0}
         llm.set_seed(params.seed if params.seed is not None else -1)
     ids: list[int] = []
+    llm.reset()  # from scratch, like our runs (forget_caches)
     t0 = time.perf_counter()
     for token in llm.generate(t_ids, repeat_penalty=1.0, reset=True, **sampling):
         if token in eos:
@@ -311,6 +322,7 @@ def bench(
     def one(prompt, variant, n, seed, record=True):
         a, kk = variant
         p = SamplingParams(params.temperature, params.top_k, params.top_p, seed)
+        forget_caches(pair)  # every run reads its prompt from scratch, as the references do
         if a == "hf":
             return run_hf(pair, hf_drafter, prompt, p, n)
         if a == "llamacpp":
