@@ -8,6 +8,7 @@ shape, at load time on the machine at hand, and the choice is cached per machine
 from __future__ import annotations
 
 import json
+import os
 import platform
 import time
 from collections import Counter
@@ -21,6 +22,10 @@ REPEATS = 5
 MARGIN = 0.9
 """oneDNN must be at least 10% faster in total to be used: the choice is made once, and noise should not flip it."""
 CACHE_FILE = "cpu-kernels.json"
+BUSY = 1.5
+"""A choice measured while the 1-minute load average per core exceeds this (our own load counts up to 1) is used but
+not cached: other work makes oneDNN's spinning threads wait their turn, which once timed it 40 times slower than it
+runs on a quiet machine, and a cached choice would keep that mistake."""
 
 
 def machine_key() -> str:
@@ -134,9 +139,17 @@ def choose_linear_backend(model, model_name: str, cache_dir: Path | None, log=pr
     key = f"{machine_key()}|{model_name}"
     if key not in known:
         t = measure(model)
-        known[key] = {"backend": "onednn" if t["onednn"] < MARGIN * t["default"] else "default", **t}
-        _write(cache, known)
-    choice = known[key]
+        choice = {"backend": "onednn" if t["onednn"] < MARGIN * t["default"] else "default", **t}
+        if busy():
+            log(
+                f"{model_name}: the machine is busy, so this choice of Linear layers is not cached (it is measured "
+                "again at the next load)"
+            )
+        else:
+            known[key] = choice
+            _write(cache, known)
+    else:
+        choice = known[key]
     log(
         f"{model_name}: fp32 Linear layers on {choice['backend']} (measured here: default "
         f"{choice['default'] * 1e3:.1f} ms, oneDNN {choice['onednn'] * 1e3:.1f} ms per 1- and 5-row pass)"
@@ -144,6 +157,15 @@ def choose_linear_backend(model, model_name: str, cache_dir: Path | None, log=pr
     if choice["backend"] == "onednn":
         use_onednn(model)
     return choice["backend"]
+
+
+def busy() -> bool:
+    """Whether other work loads this machine's cores (where the load average is known)."""
+    try:
+        load = os.getloadavg()[0]
+    except (AttributeError, OSError):  # Windows
+        return False
+    return load / max(1, os.cpu_count() or 1) > BUSY
 
 
 def _read(path: Path | None) -> dict:
