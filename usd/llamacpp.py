@@ -134,6 +134,7 @@ class LlamaCppModel:
         n_threads: int | None = None,
         generation_config=None,
         name: str | None = None,
+        repacked_weights: bool = False,
         **context_params,
     ):
         lib = _lib()
@@ -142,7 +143,8 @@ class LlamaCppModel:
         self.generation_config = generation_config
         mp = lib.llama_model_default_params()
         mp.n_gpu_layers = 0
-        mp.use_extra_bufts = False  # no repacked weights: their gemm and gemv kernels sum differently
+        # no repacked weights: their gemm and gemv kernels sum differently (True only for measurements)
+        mp.use_extra_bufts = repacked_weights
         model = lib.llama_model_load_from_file(str(self.path).encode(), mp)
         if not model:
             raise RuntimeError(f"llama.cpp could not load {self.path}{_last_errors()}")
