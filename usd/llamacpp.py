@@ -53,7 +53,8 @@ BUILD_ARGS = (
 )
 INSTALL_HINT = (
     "precision gguf runs the model's GGUF on llama.cpp, through llama-cpp-python, which is not installed. It builds "
-    f'llama.cpp from source (10-40 minutes): CMAKE_ARGS="{BUILD_ARGS}" pip install "usd-chat[llamacpp]" '
+    "llama.cpp from source (about 6 minutes on two idle cores): "
+    f'CMAKE_ARGS="{BUILD_ARGS}" pip install "usd-chat[llamacpp]" '
     "(./dev.sh setup does this). Or choose --precision fp32 / bf16 to run the model on transformers."
 )
 
