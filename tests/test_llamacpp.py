@@ -224,3 +224,26 @@ def test_vocabulary_sizes_and_context_on_both_runners(gguf, fp32):
     for name, vocab in ((QWEN, 151936), (SMOL, 49152)):
         assert model_vocab_size(gguf[name][0]) == model_vocab_size(fp32[name][0]) == vocab
         assert gguf[name][0].config.max_position_embeddings == 8192
+
+
+@pytest.mark.real_models
+@needs_llama
+def test_generations_on_two_threads_take_turns_on_the_one_llama_context(gguf):
+    """The server's slots run generations at once on one pair: llama.cpp's context is not thread-safe, so they take
+    turns on it (the model's lock), and each still gets plain decoding's answer."""
+    import threading
+
+    pair = pair_of(gguf[QWEN], gguf[SMOL])
+    prompts = [PROMPTS[0], PROMPTS[1], CHATS[1]]
+    plain = [api.generate(pair, prompt=p, algorithm="none", max_new_tokens=24).target_ids for p in prompts]
+    got: dict[int, list[int]] = {}
+
+    def run(i: int) -> None:
+        got[i] = api.generate(pair, prompt=prompts[i], algorithm="tli", draft_tokens=3, max_new_tokens=24).target_ids
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(300)
+    assert [got.get(i) for i in range(len(prompts))] == plain

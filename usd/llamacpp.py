@@ -181,6 +181,9 @@ class LlamaCppModel:
         """The ids whose keys and values the cache holds, at positions 0..len-1."""
         self.owner: LlamaCppContext | None = None
         """The decoding context whose ids the cache follows; another one first keeps only what they share."""
+        self.lock = threading.RLock()
+        """Held for every use of the llama.cpp context, which is not thread-safe: generations running at once (the
+        server's slots, the app's concurrency) take turns on it, each re-feeding what the other displaced."""
 
     def __repr__(self) -> str:
         return f"LlamaCppModel({self.path.name}, n_ctx={self.n_ctx}, n_vocab={self.n_vocab}, threads={self.n_threads})"
@@ -195,8 +198,9 @@ class LlamaCppModel:
 
     def forget(self) -> None:
         """Empty the cache: the next context feeds everything."""
-        self.owner = None
-        self.keep_first(0)
+        with self.lock:
+            self.owner = None
+            self.keep_first(0)
 
     def keep_first(self, n: int) -> None:
         """Drop the cached positions from n on (sequence removal: the cache's own rollback)."""
@@ -289,14 +293,15 @@ class LlamaCppContext:
     def forward(self, keep: int = 0) -> torch.Tensor:
         """Feed every id the cache lacks; return the logits of the last `keep` of them (0: all) as [n, V] float32."""
         t0 = time.perf_counter()
-        self._claim()
-        # Logits are only had by feeding: when the cache already holds positions asked for (the last one, again; or
-        # positions another context fed, sharing the model), they are fed again (same bits: see the docstring).
-        self.cached = min(self.cached, len(self.ids) - max(keep, 1))
-        self.model.keep_first(self.cached)
-        new = self.ids[self.cached :]
-        logits = self.model.feed(new, keep or len(new))
-        self.cached = len(self.ids)
+        with self.model.lock:  # one llama.cpp context: generations on other threads wait for their turn on it
+            self._claim()
+            # Logits are only had by feeding: when the cache already holds positions asked for (the last one, again;
+            # or positions another context fed, sharing the model), they are fed again (same bits: see the docstring).
+            self.cached = min(self.cached, len(self.ids) - max(keep, 1))
+            self.model.keep_first(self.cached)
+            new = self.ids[self.cached :]
+            logits = self.model.feed(new, keep or len(new))
+            self.cached = len(self.ids)
         self.forward_s += time.perf_counter() - t0
         return torch.from_numpy(logits)
 
@@ -305,6 +310,11 @@ def batch_invariance(model: LlamaCppModel, ids: list[int], k: int = 8) -> float:
     """The largest difference between the logits of the last k+1 positions of `ids` evaluated one at a time and in
     one batch (0.0: the same bits, as lossless decoding needs). Leaves the model's cache empty."""
     k = min(k, len(ids) - 1)
+    with model.lock:
+        return _batch_gap(model, ids, k)
+
+
+def _batch_gap(model: LlamaCppModel, ids: list[int], k: int) -> float:
     model.forget()
     model.feed(ids[: -k - 1], 1)
     single = np.concatenate([model.feed([t], 1) for t in ids[-k - 1 :]])
