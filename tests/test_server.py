@@ -204,7 +204,9 @@ def test_errors_reach_the_client_as_openais_exceptions_with_the_engines_message(
     assert e.value.code == "context_length_exceeded"
     with pytest.raises(openai.BadRequestError, match="lower max new tokens to at most") as e:
         client.chat.completions.create(
-            model=pair.target_name, messages=[{"role": "user", "content": "w " * 30_000}], max_tokens=4096
+            model=pair.target_name,
+            messages=[{"role": "user", "content": "w " * (pair.context_length - 3000)}],  # fits, but not with 4096 more
+            max_tokens=4096,
         )
     assert e.value.code == "context_length_exceeded"
     with pytest.raises(openai.NotFoundError, match="'gpt-4o' is not served here") as e:
