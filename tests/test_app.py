@@ -151,6 +151,22 @@ def test_eight_clients_at_once_each_get_their_own_answer(app):
         assert all(text.startswith(u) for u in updates), f"client {i} saw another stream"
 
 
+def open_page(playwright):
+    """Debian's chromium, headless, with nothing reaching out of this machine; a page at the screenshot's size."""
+    browser = playwright.chromium.launch(
+        executable_path=shutil.which("chromium"),
+        args=[
+            "--no-sandbox",
+            "--disable-gpu",
+            "--disable-background-networking",
+            "--disable-component-update",
+            "--disable-sync",
+            "--no-first-run",
+        ],
+    )
+    return browser, browser.new_page(viewport={"width": 1400, "height": 1000})
+
+
 @pytest.mark.skipif(
     not shutil.which("chromium") and not os.environ.get("USD_CHAT_REQUIRE_BROWSER"),
     reason="Debian's chromium is installed by .ci/run and ./dev.sh test (.ci/run requires it)",
@@ -160,18 +176,7 @@ def test_browser_chat_shows_coloured_tokens_stats_and_stop_keeps_the_chat(app):
 
     url = app[2]
     with sync_playwright() as p:
-        browser = p.chromium.launch(
-            executable_path=shutil.which("chromium"),
-            args=[
-                "--no-sandbox",
-                "--disable-gpu",
-                "--disable-background-networking",
-                "--disable-component-update",
-                "--disable-sync",
-                "--no-first-run",
-            ],
-        )
-        page = browser.new_page(viewport={"width": 1400, "height": 1000})
+        browser, page = open_page(p)
         page.goto(url)
         page.locator("#settings").get_by_text("Settings").first.click()
         max_new = page.locator("#max-new-tokens input")
@@ -229,18 +234,7 @@ def test_browser_pair_tab_ranks_drafters_and_loads_the_picked_pair(app):
     from playwright.sync_api import expect, sync_playwright
 
     with sync_playwright() as p:
-        browser = p.chromium.launch(
-            executable_path=shutil.which("chromium"),
-            args=[
-                "--no-sandbox",
-                "--disable-gpu",
-                "--disable-background-networking",
-                "--disable-component-update",
-                "--disable-sync",
-                "--no-first-run",
-            ],
-        )
-        page = browser.new_page(viewport={"width": 1400, "height": 1000})
+        browser, page = open_page(p)
         page.goto(app[2])
         page.get_by_role("tab", name="Pair").click()
         page.locator("#rank").get_by_text("Rank drafters for this target").first.click()
