@@ -169,7 +169,8 @@ def forget_caches(pair: Pair) -> None:
 
 def reference_llama(pair: Pair):
     """llama-cpp-python's high-level `Llama` on the target's GGUF, as a user would open it: its default kernels
-    (repacked weights and all), the same threads and context as our runner's."""
+    (repacked weights and all), the same threads and context as our runner's. One exception: the tiled matmul is
+    off in this process for our runner's sake, so a standalone llama.cpp reads long prompts faster still."""
     from ..llamacpp import LlamaCppModel, _lib
 
     target = pair.target
