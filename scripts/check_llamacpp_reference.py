@@ -1,6 +1,7 @@
 """Our plain greedy decoding on the llama.cpp runner against llama-cpp-python's own generate of the same GGUF with the
-runner's kernel settings (flash attention, f16 K and bf16 V cache, no repacked weights, no tiled matmul): the tokens
-must be the same. With llama.cpp's default kernels (`usd bench --algorithms ...,llamacpp`) they may differ at
+runner's kernel settings (flash attention, f16 K and bf16 V cache, no repacked weights), with the tiled matmul off in
+this process (llama.cpp's generate would read the prompt's last token with it, our runner reads it on the row
+kernels: usd/llamacpp.py): the tokens must be the same. With llama.cpp's default kernels (`usd bench --algorithms ...,llamacpp`) they may differ at
 near-ties, since those kernels round a batch differently from a single step.
 
     PYTHONPATH=. python scripts/check_llamacpp_reference.py [humaneval|mtbench] [N]
@@ -8,6 +9,7 @@ near-ties, since those kernels round a batch differently from a single step.
 
 from __future__ import annotations
 
+import os
 import sys
 
 import llama_cpp
@@ -23,7 +25,7 @@ MAX_NEW = 64
 
 
 def reference_with_our_kernels(model: llamacpp.LlamaCppModel) -> llama_cpp.Llama:
-    llamacpp._lib()  # the runner's process-wide setting (no tiled matmul) first
+    os.environ["GGML_CPU_TILED_MM"] = "0"  # read once, at llama.cpp's first matmul: set before any
     default_params = low_level.llama_model_default_params
 
     def without_repacking():

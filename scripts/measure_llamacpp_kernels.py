@@ -1,6 +1,7 @@
 """What the llama.cpp runner's batch-invariant kernel settings cost: prefill and decode speed of the target under each
-setting, and each setting's batch gap (the largest logit difference between single steps and a batch of 2, 5 and 9;
-lossless needs 0).
+setting, and each setting's batch gap (the largest logit difference between single steps and a row batch of 2, 5 and
+9, and between a prefill in one batch and in two; lossless needs 0). Run it with GGML_CPU_TILED_MM=0 to see the
+prefill without the tiled matmul.
 
     PYTHONPATH=. python scripts/measure_llamacpp_kernels.py [MODEL]
 
@@ -27,7 +28,8 @@ def timings(model: llamacpp.LlamaCppModel, ids: list[int]) -> tuple[float, float
     """(prefill seconds, decode tokens/s) from an empty cache."""
     model.forget()
     t0 = time.perf_counter()
-    model.feed(ids, 1)
+    model.feed(ids[:-1], 0, prefill=True)  # as the runner reads a prompt: its body on the prefill kernels
+    model.feed(ids[-1:], 1)
     prefill = time.perf_counter() - t0
     token = ids[-1]
     t0 = time.perf_counter()

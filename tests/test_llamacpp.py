@@ -9,6 +9,8 @@ Skipped only when llama-cpp-python is not installed (`./dev.sh setup` builds it;
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import test_decoder_distribution
 import torch
@@ -195,8 +197,71 @@ def test_a_cache_rolled_back_through_many_rejections_equals_a_fresh_evaluation(g
     extra = pair.target_tokenizer.encode("\n# done")
     rolled = model.new_context(held + extra).forward(keep=len(extra) + 1)  # reuses the cache, feeds only `extra`
     model.keep_first(0)
-    fresh = model.new_context(held + extra).forward(keep=len(extra) + 1)  # everything from scratch
+    # everything again from an empty cache, each position on the kernels the generation computed it with
+    fresh = model.new_context(held + extra).forward(keep=len(extra) + 1)
     assert torch.equal(rolled, fresh), f"max difference {float((rolled - fresh).abs().max()):.3g}"
+
+
+# --- which kernels compute a position ----------------------------------------------------------------------------
+
+
+def _next_logits(model, ids):
+    return model.new_context(ids).forward(keep=1)
+
+
+@pytest.mark.real_models
+@needs_llama
+def test_a_prompt_gets_the_same_logits_whatever_the_cache_held(gguf):
+    """A prompt's body runs on the prefill kernels and its last token on the row kernels, however much of it the cache
+    held and on which kernels: a shorter or longer prompt sharing a prefix, an unrelated one, nothing."""
+    model, tok = gguf[QWEN]
+    ids = tok.encode(LONG)[:120]
+    model.forget()
+    fresh = _next_logits(model, ids)
+    model.forget()
+    all_rows = model.feed(ids, 1)  # every position on the row kernels: other bits, so the choice matters here
+    if os.environ.get("GGML_CPU_TILED_MM", "1") != "0":
+        assert not torch.equal(fresh, torch.from_numpy(all_rows)), "the prefill kernels gave the row kernels' bits"
+    before = {
+        "all but 3 tokens": ids[:-3] + tok.encode(" pass"),
+        "the first 20": ids[:20] + tok.encode(" # unrelated"),
+        "it and more": ids + tok.encode("\n    return x"),
+        "it": ids,
+        "an unrelated prompt": tok.encode(PROMPTS[1]),
+    }
+    for label, other in before.items():
+        model.forget()
+        _next_logits(model, other)
+        got = _next_logits(model, ids)
+        assert torch.equal(got, fresh), f"after {label}: max difference {float((got - fresh).abs().max()):.3g}"
+
+
+@pytest.mark.real_models
+@needs_llama
+def test_a_conversation_displaced_from_the_cache_gets_its_positions_bits_back(gguf):
+    """A chat's next turn after another conversation took the cache (a server slot's, say) re-feeds the first turn's
+    answer on the row kernels it was generated with, so it gets what it would have got undisturbed."""
+    model, tok = gguf[QWEN]
+    ctx = model.new_context(tok.encode(LONG)[:100])
+    for _ in range(24):  # a first answer, a token at a time
+        ctx.ids.append(int(ctx.forward(keep=1)[-1].argmax()))
+    turn2 = ctx.ids + tok.encode("\n# and now the tests\n")
+    undisturbed = _next_logits(model, turn2)
+    _next_logits(model, tok.encode(PROMPTS[1]))  # another conversation takes the cache
+    model.keep_first(0)
+    displaced = _next_logits(model, turn2)
+    assert torch.equal(displaced, undisturbed)
+    model.forget()  # what the kernels were is forgotten too: the answer's positions now run on the prefill kernels
+    if os.environ.get("GGML_CPU_TILED_MM", "1") != "0":
+        assert not torch.equal(_next_logits(model, turn2), undisturbed), "the test cannot tell the kernels apart"
+
+
+@pytest.mark.real_models
+@needs_llama
+def test_a_verify_longer_than_a_row_batch_equals_plain_greedy(gguf):
+    """k + 1 > ROW_BATCH: the verify takes several row batches."""
+    assert 9 > llamacpp.ROW_BATCH
+    _identity(pair_of(gguf[QWEN], gguf[SMOL]), PROMPTS[0], algorithms=(("tli", 8), ("slem", 12)))
 
 
 # --- loading ---------------------------------------------------------------------------------------------------------

@@ -2,22 +2,33 @@
 low-level API, behind the decoding-context interface the decode loop drives (`pair.Context`): `ids`, `forward(keep)`,
 `truncate(n)`, `forward_s`, `matched`, `cached`.
 
-Lossless needs a position's logits to be the same bits whether the position is fed alone (plain decoding, a drafter
-step) or inside a batch (the target's verify, a prefill, a resync). llama.cpp's CPU backend picks kernels by batch
-size, and some sum in another order than the one-row kernels. Measured (llama-cpp-python 0.3.36, AVX-512, the
-registry's Qwen 0.5B and SmolLM2 GGUFs; `batch_invariance`), before the settings below: 0.3-1.1 logits apart.
+Lossless needs a position's logits to be the same bits whenever it is evaluated: alone (plain decoding, a drafter
+step), inside a verify batch, or again after a rollback or after another generation displaced it from the cache.
+llama.cpp's CPU backend picks kernels by batch size, and some sum in another order than the one-row kernels. Measured
+(llama-cpp-python 0.3.36, the registry's GGUFs; `batch_invariance`), before the settings below: 0.3-1.1 logits apart.
 
-- Attention was the cause. Without flash attention, KQ and KQV are matmuls against the f16 cache, which llamafile's
-  tinyBLAS serves for two queries or more and vec_dot for one. With flash attention and an f16 cache, one query over
-  512 cached positions or more takes a split-KV kernel and 64 queries or more a tiled one. So: flash attention on, with
-  a bf16 V cache beside the f16 K cache, which keeps every batch on the one-row kernel (it skips masked positions, so
-  the cache's padding does not matter either). Both differences vanish: 0.0 at every length and batch tried.
+- Attention: without flash attention, KQ and KQV are matmuls against the f16 cache, which llamafile's tinyBLAS serves
+  for two queries or more and vec_dot for one. With flash attention and an f16 cache, one query over 512 cached
+  positions or more takes a split-KV kernel and 64 queries or more a tiled one. So: flash attention on, with a bf16 V
+  cache beside the f16 K cache, which keeps every batch on the one-row kernel (it skips masked positions, so the
+  cache's padding does not matter either). 0.0 at every length and batch tried.
 - Repacked weights (the "extra buffer types", interleaved Q4_0/Q4_K/IQ4_NL... for AVX2/AVX-512) multiply 4 rows at a
-  time with a gemm kernel and the rest with a gemv kernel: not loaded (`use_extra_bufts = False`).
-- The tiled K-quant matmul (8 rows or more) sums blocks in another order than vec_dot: off (GGML_CPU_TILED_MM=0, set
-  before llama.cpp first reads it).
+  time with a gemm kernel and the rest with a gemv kernel, so a row's bits depend on its place in the batch: not
+  loaded (`use_extra_bufts = False`). They would make decoding about 25% faster here (docs/benchmarks.md).
 - tinyBLAS also serves the Q8_0/Q5_0 weights of these GGUFs at two rows or more; on this CPU it gives vec_dot's bits.
   Should another CPU differ, tests/test_llamacpp.py says so, and -DGGML_LLAMAFILE=OFF in CMAKE_ARGS is the fix.
+- The tiled K-quant matmul takes batches of PREFILL_MIN_ROWS (8) rows or more and sums in another order than vec_dot,
+  which serves smaller ones. Each kernel on its own gives a row the same bits in any batch it serves, and the tiled
+  one reads a prompt 2.7x faster. So the runner uses both and fixes which one computes each position, once:
+  * a prompt's body (every token but the last) on the prefill kernels, in batches of 8 rows or more, when it is that
+    long; its last token, and everything after it (verified drafts, the target's own tokens, a drafter's steps and
+    catch-up), on the row kernels, in batches of at most ROW_BATCH (7): a verify of k > 6 drafts takes more calls;
+  * a position keeps its kernels for good: each context records them (`LlamaCppContext.prefill`), the cache records
+    what computed what it holds, a context reuses only cached positions its own kernels computed, and a new context
+    (a chat's next turn, a server slot's conversation after another displaced it) takes the kernels of what it shares
+    with the cache or with one of the model's recent contexts (`LlamaCppModel.lineages`).
+  So plain decoding and every algorithm compute every position of an answer on the same kernels, and a prompt's
+  logits do not depend on what the cache held before (tests/test_llamacpp.py).
 
 One llama.cpp context per model is reused by every generation: `new_context(ids)` keeps the longest common prefix of
 what the cache holds (a multi-turn chat re-feeds only the new turn) and drops the rest.
@@ -31,6 +42,7 @@ import os
 import threading
 import time
 import weakref
+from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -40,7 +52,14 @@ import torch
 N_CTX_CAP = 8192
 """The most positions a llama.cpp context gets (the catalog's context length, capped for memory)."""
 N_BATCH = 512
-"""Tokens per llama_decode call: prefills go in chunks of this; every verify (at most 17 tokens) fits in one."""
+"""The most tokens per llama_decode call (prefills go in near-equal batches of at most this)."""
+PREFILL_MIN_ROWS = 8
+"""llama.cpp's tiled K-quant matmul takes batches of this many rows or more (ggml-cpu/tiled/tiled.cpp) and sums in
+another order than the row kernels below it; see the module docstring."""
+ROW_BATCH = PREFILL_MIN_ROWS - 1
+"""The most tokens per llama_decode call on the row kernels (a verify of k drafts takes ceil((k + 1) / 7) calls)."""
+LINEAGES = 16
+"""How many recent decoding contexts a model remembers the kernels of."""
 N_OUTPUTS = 32
 """Rows of logits one llama_decode call may return (llama.cpp keeps a buffer of this many rows of the vocabulary)."""
 KV_PAD = 256
@@ -76,7 +95,6 @@ def _lib():
     with _lock:
         if "lib" in _state:
             return _state["lib"]
-        os.environ["GGML_CPU_TILED_MM"] = "0"  # read once, at llama.cpp's first matmul: see the module's docstring
         try:
             import llama_cpp
         except (ImportError, OSError) as e:
@@ -179,8 +197,13 @@ class LlamaCppModel:
         self.config = GGUFConfig(max_position_embeddings=self.n_ctx, vocab_size=self.n_vocab, n_ctx_train=n_train)
         self.kv: list[int] = []
         """The ids whose keys and values the cache holds, at positions 0..len-1."""
+        self.kv_prefill: list[bool] = []
+        """For each cached position, whether the prefill kernels computed it (see `LlamaCppContext.prefill`)."""
         self.owner: LlamaCppContext | None = None
         """The decoding context whose ids the cache follows; another one first keeps only what they share."""
+        self.lineages: deque[LlamaCppContext] = deque(maxlen=LINEAGES)
+        """The latest decoding contexts: a new one takes the kernels of the positions it shares with them (a chat's
+        next turn, a server slot's conversation after another displaced it), so a re-fed position gets its bits."""
         self.lock = threading.RLock()
         """Held for every use of the llama.cpp context, which is not thread-safe: generations running at once (the
         server's slots, the app's concurrency) take turns on it, each re-feeding what the other displaced."""
@@ -189,7 +212,8 @@ class LlamaCppModel:
         return f"LlamaCppModel({self.path.name}, n_ctx={self.n_ctx}, n_vocab={self.n_vocab}, threads={self.n_threads})"
 
     def new_context(self, ids: list[int]) -> LlamaCppContext:
-        return LlamaCppContext(self, ids)
+        with self.lock:
+            return LlamaCppContext(self, ids)
 
     def close(self) -> None:
         self._finalizer()
@@ -197,9 +221,10 @@ class LlamaCppModel:
     # --- the cache -------------------------------------------------------------------------------------------------
 
     def forget(self) -> None:
-        """Empty the cache: the next context feeds everything."""
+        """Empty the cache and forget which kernels computed what: the next context computes everything afresh."""
         with self.lock:
             self.owner = None
+            self.lineages.clear()
             self.keep_first(0)
 
     def keep_first(self, n: int) -> None:
@@ -208,30 +233,40 @@ class LlamaCppModel:
             if not self._lib.llama_memory_seq_rm(self._mem, 0, n, -1):
                 raise RuntimeError(f"llama.cpp could not remove positions {n}.. from its cache{_last_errors()}")
             del self.kv[n:]
+            del self.kv_prefill[n:]
 
-    def feed(self, tokens: list[int], n_out: int) -> np.ndarray:
-        """Evaluate `tokens` at the positions after the cache; return the logits of the last `n_out` as [n_out, V]."""
+    def known_kernels(self, ids: list[int]) -> list[bool]:
+        """The kernels of the longest prefix of `ids` that the cache or a recent context computed."""
+        best: list[bool] = []
+        # copies: another thread's decode loop may be cutting its context's ids back (truncate takes no lock)
+        for seen, kernels in [(self.kv, self.kv_prefill), *((list(c.ids), c.prefill) for c in self.lineages)]:
+            n = _common_prefix(ids, seen, limit=len(kernels))
+            if n > len(best):
+                best = kernels[:n]
+        return _whole_prefill_runs(best)
+
+    def feed(self, tokens: list[int], n_out: int, prefill: bool | list[bool] = False) -> np.ndarray:
+        """Evaluate `tokens` at the positions after the cache; return the logits of the last `n_out` as [n_out, V].
+        `prefill` says, for all or for each token, whether it runs on the prefill kernels (in batches of at least
+        PREFILL_MIN_ROWS) or on the row kernels (in batches of at most ROW_BATCH)."""
         if len(self.kv) + len(tokens) > self.n_ctx:
             raise ValueError(
                 f"{self.name_or_path}: {len(self.kv) + len(tokens):,} positions do not fit the llama.cpp "
                 f"context of {self.n_ctx:,}"
             )
+        kernels = [prefill] * len(tokens) if isinstance(prefill, bool) else list(prefill)
         n_out = min(n_out, len(tokens))
-        out = np.empty((n_out, self.n_vocab), dtype=np.float32)
         first_out = len(tokens) - n_out
-        start, row = 0, 0
-        while start < len(tokens):
-            # a chunk: at most N_BATCH tokens, and at most N_OUTPUTS of them with logits
-            end = min(len(tokens), start + N_BATCH)
-            if end > first_out:
-                end = min(end, max(first_out, start) + N_OUTPUTS)
-            rows = self._decode(tokens[start:end], len(self.kv), max(0, end - max(first_out, start)))
-            for ptr in rows:
-                out[row] = np.ctypeslib.as_array(ptr, shape=(self.n_vocab,))  # copied: the next decode reuses it
-                row += 1
+        rows = []
+        for start, end in _batches(kernels):
+            outs = max(0, end - max(first_out, start))
+            if outs > ROW_BATCH:
+                raise ValueError(f"{outs} rows of logits from one prefill batch (at most {ROW_BATCH})")
+            for ptr in self._decode(tokens[start:end], len(self.kv), outs):
+                rows.append(np.ctypeslib.as_array(ptr, shape=(self.n_vocab,)).copy())  # the next decode reuses it
             self.kv.extend(tokens[start:end])
-            start = end
-        return out
+            self.kv_prefill.extend(kernels[start:end])
+        return np.stack(rows) if rows else np.empty((0, self.n_vocab), dtype=np.float32)
 
     def _decode(self, tokens: list[int], pos0: int, n_out: int):
         lib, b = self._lib, self._batch
@@ -257,6 +292,58 @@ class LlamaCppModel:
         return rows
 
 
+def _common_prefix(a: list[int], b: list[int], limit: int) -> int:
+    n, limit = 0, min(len(a), len(b), limit)
+    while n < limit and a[n] == b[n]:
+        n += 1
+    return n
+
+
+def _trailing_prefill(kernels: list[bool]) -> int:
+    """How many positions at the end of `kernels` the prefill kernels computed."""
+    n = 0
+    while n < len(kernels) and kernels[-1 - n]:
+        n += 1
+    return n
+
+
+def _whole_prefill_runs(kernels: list[bool]) -> list[bool]:
+    """`kernels` without a trailing prefill run too short to be fed again as one batch (it is computed afresh)."""
+    run = _trailing_prefill(kernels)
+    return kernels[: len(kernels) - run] if 0 < run < PREFILL_MIN_ROWS else kernels
+
+
+def _prompt_kernels(known: list[bool], n: int) -> list[bool]:
+    """The kernels of a new context's n ids, given those `known` for a prefix of them: every id of the prompt but the
+    last on the prefill kernels when there are enough of them for a batch of those, the rest, and the last (where the
+    next logits are read), on the row kernels; a known id keeps its kernels."""
+    body = max(n - 1, 0)
+    kernels = _whole_prefill_runs(known[:body])
+    undecided = body - len(kernels)
+    if undecided > 0:
+        kernels += [undecided + _trailing_prefill(kernels) >= PREFILL_MIN_ROWS] * undecided
+    return kernels + [False] * (n - len(kernels))
+
+
+def _batches(kernels: list[bool]) -> list[tuple[int, int]]:
+    """[start, end) of each llama_decode call: runs of one kernel, prefill runs in near-equal batches of at most
+    N_BATCH (each at least PREFILL_MIN_ROWS, as every prefill run is), row runs in batches of at most ROW_BATCH."""
+    out, start = [], 0
+    while start < len(kernels):
+        end = start
+        while end < len(kernels) and kernels[end] == kernels[start]:
+            end += 1
+        n = end - start
+        if kernels[start] and n < PREFILL_MIN_ROWS:
+            raise ValueError(f"a prefill run of {n} positions (the prefill kernels take {PREFILL_MIN_ROWS} or more)")
+        size = N_BATCH if kernels[start] else ROW_BATCH
+        parts = -(-n // size)
+        cuts = [start + n * i // parts for i in range(parts + 1)]
+        out += list(zip(cuts, cuts[1:]))
+        start = end
+    return out
+
+
 def _free(lib, model, ctx, batch) -> None:
     lib.llama_batch_free(batch)
     lib.llama_free(ctx)
@@ -269,6 +356,10 @@ class LlamaCppContext:
     def __init__(self, model: LlamaCppModel, ids: list[int]):
         self.model = model
         self.ids = list(ids)
+        self.prefill = _prompt_kernels(model.known_kernels(self.ids), len(self.ids))
+        """For each of the first len(prefill) ids, whether the prefill kernels compute it (else the row kernels): fixed
+        when first decided, so that every later evaluation of the position gives the same bits (module docstring)."""
+        model.lineages.append(self)
         self.cached = 0
         """How many of `ids` the cache holds (while this context owns the cache)."""
         self.matched = (0, 0)
@@ -278,16 +369,28 @@ class LlamaCppContext:
 
     def truncate(self, n: int) -> None:
         del self.ids[n:]
-        self.cached = min(self.cached, n)  # the cache drops the rest at the next forward
+        self.prefill = _whole_prefill_runs(self.prefill[:n])
+        self.cached = min(self.cached, len(self.prefill))  # the cache drops the rest at the next forward
 
     def _claim(self) -> None:
+        """Own the model's cache, keeping what it holds of our ids computed by our kernels."""
         m = self.model
         if m.owner is self:
             return
-        n, limit = 0, min(len(m.kv), len(self.ids))
-        while n < limit and m.kv[n] == self.ids[n]:
-            n += 1
-        self.cached, m.owner = n, self
+        n = _common_prefix(self.ids, m.kv, limit=len(self.prefill))
+        self.cached = next((i for i in range(n) if m.kv_prefill[i] != self.prefill[i]), n)
+        m.owner = self
+
+    def _first_to_feed(self, start: int) -> int:
+        """`start`, or earlier when it cuts into a prefill run: that run is fed again from where a batch of at
+        least PREFILL_MIN_ROWS reaches (every prefill run is that long: `_whole_prefill_runs`)."""
+        if start >= len(self.ids) or not self.prefill[start]:
+            return start
+        end = start
+        while end < len(self.ids) and self.prefill[end]:
+            end += 1
+        begin = start - _trailing_prefill(self.prefill[:start])
+        return max(begin, min(start, end - PREFILL_MIN_ROWS))
 
     @torch.inference_mode()
     def forward(self, keep: int = 0) -> torch.Tensor:
@@ -295,30 +398,50 @@ class LlamaCppContext:
         t0 = time.perf_counter()
         with self.model.lock:  # one llama.cpp context: generations on other threads wait for their turn on it
             self._claim()
+            n_out = max(keep or len(self.ids) - self.cached, 1)
+            self.prefill += [False] * (len(self.ids) - len(self.prefill))  # what came after the prompt: row kernels
             # Logits are only had by feeding: when the cache already holds positions asked for (the last one, again;
-            # or positions another context fed, sharing the model), they are fed again (same bits: see the docstring).
-            self.cached = min(self.cached, len(self.ids) - max(keep, 1))
+            # or positions another context fed, sharing the model), they are fed again (same kernels, same bits).
+            self.cached = self._first_to_feed(min(self.cached, len(self.ids) - n_out))
             self.model.keep_first(self.cached)
-            new = self.ids[self.cached :]
-            logits = self.model.feed(new, keep or len(new))
+            logits = self.model.feed(self.ids[self.cached :], n_out, self.prefill[self.cached : len(self.ids)])
             self.cached = len(self.ids)
         self.forward_s += time.perf_counter() - t0
         return torch.from_numpy(logits)
 
 
 def batch_invariance(model: LlamaCppModel, ids: list[int], k: int = 8) -> float:
-    """The largest difference between the logits of the last k+1 positions of `ids` evaluated one at a time and in
-    one batch (0.0: the same bits, as lossless decoding needs). Leaves the model's cache empty."""
+    """The largest logit difference that batching makes (0.0: none, as lossless decoding needs), over both: the last
+    k+1 positions of `ids` evaluated one at a time against in row batches; and a prefill in one batch against in
+    two. Leaves the model's cache empty."""
     k = min(k, len(ids) - 1)
     with model.lock:
-        return _batch_gap(model, ids, k)
+        return max(_row_gap(model, ids, k), _prefill_gap(model, ids))
 
 
-def _batch_gap(model: LlamaCppModel, ids: list[int], k: int) -> float:
+def _row_gap(model: LlamaCppModel, ids: list[int], k: int) -> float:
     model.forget()
-    model.feed(ids[: -k - 1], 1)
-    single = np.concatenate([model.feed([t], 1) for t in ids[-k - 1 :]])
-    model.keep_first(len(ids) - k - 1)
-    batched = model.feed(ids[-k - 1 :], k + 1)
-    model.keep_first(0)
+    head, tail = ids[: -k - 1], ids[-k - 1 :]
+    model.feed(head, 0, prefill=len(head) >= PREFILL_MIN_ROWS)
+    single = np.concatenate([model.feed([t], 1) for t in tail])
+    model.keep_first(len(head))
+    batched = model.feed(tail, k + 1)
+    model.forget()
     return float(np.abs(single - batched).max())
+
+
+def _prefill_gap(model: LlamaCppModel, ids: list[int]) -> float:
+    """The next position's logits after a prefill of the rest in one batch and in two (0.0 if too short to split)."""
+    head, last = ids[:-1], ids[-1:]
+    if len(head) < 2 * PREFILL_MIN_ROWS:
+        return 0.0
+    model.forget()
+    model.feed(head, 0, prefill=True)
+    whole = model.feed(last, 1)
+    model.forget()
+    cut = len(head) // 2
+    model.feed(head[:cut], 0, prefill=True)
+    model.feed(head[cut:], 0, prefill=True)
+    split = model.feed(last, 1)
+    model.forget()
+    return float(np.abs(whole - split).max())

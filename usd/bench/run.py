@@ -169,14 +169,13 @@ def forget_caches(pair: Pair) -> None:
 
 def reference_llama(pair: Pair):
     """llama-cpp-python's high-level `Llama` on the target's GGUF, as a user would open it: its default kernels
-    (repacked weights and all), the same threads and context as our runner's. One exception: the tiled matmul is
-    off in this process for our runner's sake, so a standalone llama.cpp reads long prompts faster still."""
+    (repacked weights and all), the same threads and context as our runner's."""
     from ..llamacpp import LlamaCppModel, _lib
 
     target = pair.target
     if not isinstance(target, LlamaCppModel):
         raise ValueError("the llamacpp reference runs the target's GGUF: load the pair with --precision gguf")
-    _lib()  # our runner's settings first (GGML_CPU_TILED_MM is read once per process, by whichever comes first)
+    _lib()  # the backend initialised and its log quieted, once for both
     from llama_cpp import Llama
 
     return Llama(
