@@ -230,6 +230,8 @@ class DrafterState:
         self.limit = pair.drafter_context_length or model_context_length(pair.drafter)
         self.ready = False
         self.stopped: str | None = None
+        self.unbilled_s = 0.0
+        """Seconds of drafter prefill no round has been charged for yet (the schedule's probing budget counts them)."""
 
     def room(self, answer: Answer) -> int:
         """How many tokens it may draft now (0 once it is full, for the rest of the answer)."""
@@ -245,7 +247,10 @@ class DrafterState:
             )
             return 0
         if not self.ready:
-            _prefill(self.ctx)  # a one-time cost, kept out of the round's time so it does not bias auto's choice
+            # a one-time cost, kept out of the round's time so it does not bias auto's rates; its probing budget counts it
+            t0 = time.perf_counter()
+            _prefill(self.ctx)
+            self.unbilled_s += time.perf_counter() - t0
             self.ready = True
         return room
 
@@ -323,6 +328,9 @@ class Generation:
         if self.drafter is not None and self.drafter.ready and self.answer.stop_reason is None:
             self.drafter.follow(self.answer)
         round_s = time.perf_counter() - t0
+        setup_s = 0.0
+        if self.drafter is not None:
+            setup_s, self.drafter.unbilled_s = self.drafter.unbilled_s, 0.0
         drafted, accepted = len(draft.candidates), verdict.accepted
         self.tally.record(mode, drafted, accepted, draft.steps, times.draft_s, times.verify_s)
         self.schedule.observe(
@@ -335,6 +343,7 @@ class Generation:
             draft_s=times.draft_s,
             draft_steps=draft.steps,
             verify_s=times.verify_s,
+            setup_s=setup_s,
         )
         return Round(
             index=self.tally.rounds - 1,

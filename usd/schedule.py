@@ -33,8 +33,12 @@ MIN_TRIES = 3
 """Rounds a mode gets before the model judges it."""
 PROBE_EVERY = 16
 """A mode that is not the best is still tried after this many rounds; each probe that finds it still losing doubles
-its wait (up to PROBE_MAX), so a pair where speculation never pays costs almost nothing to keep watching."""
+its wait (up to PROBE_MAX, or to what PROBE_BUDGET needs), so a pair where speculation never pays costs almost nothing
+to keep watching."""
 PROBE_MAX = 256
+PROBE_BUDGET = 0.01
+"""The most of its time auto spends probing a losing mode: a probe that cost more than plain decoding would have (a
+drafter catching up on a long context, say) waits until it is this share of the time since, PROBE_MAX or not."""
 DECAY = 0.85
 """Weight of the past in the running means of times: about the last seven observations count."""
 ALPHA_DECAY = 0.97
@@ -224,8 +228,11 @@ class Schedule:
         draft_s: float = 0.0,
         draft_steps: int = 0,
         verify_s: float | None = None,
+        setup_s: float = 0.0,
     ) -> None:
-        """What the round cost and kept. Without the split of its time, all of it counts as the target forward."""
+        """What the round cost and kept. Without the split of its time, all of it counts as the target forward.
+        `setup_s`: what the round's mode cost before it (a drafter's prefill): not a cost of its rounds, so kept out of
+        the rates, but part of what probing it cost."""
         self.round += 1
         for m in self.modes:
             self.since[m] = 0 if m == mode else self.since[m] + 1
@@ -233,4 +240,17 @@ class Schedule:
         self.model.observe(mode, drafted, accepted, draft_s, draft_steps, verify_s, seconds - draft_s - verify_s)
         if len(self.modes) > 1 and self.model.rounds(mode) >= MIN_TRIES:
             best = min(self.modes, key=self.per_token)
-            self.gap[mode] = PROBE_EVERY if mode == best else min(PROBE_MAX, 2 * self.gap.get(mode, PROBE_EVERY // 2))
+            if mode == best:
+                self.gap[mode] = PROBE_EVERY
+            else:
+                wait = self.gap.get(mode, PROBE_EVERY // 2)
+                longer = 2 * wait if wait < PROBE_MAX else wait  # never shorter while it keeps losing
+                self.gap[mode] = max(longer, self._rounds_to_amortise(seconds + setup_s, emitted))
+
+    def _rounds_to_amortise(self, seconds: float, emitted: int) -> int:
+        """Plain rounds after which a round that took `seconds` for `emitted` tokens cost PROBE_BUDGET of the time."""
+        plain = self.per_token("none")
+        if plain == float("inf"):
+            return 0
+        excess = seconds - emitted * plain
+        return min(1 << 16, max(0, int(excess / (PROBE_BUDGET * plain))))
