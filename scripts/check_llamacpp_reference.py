@@ -1,8 +1,9 @@
-"""Our plain greedy decoding on the llama.cpp runner against llama-cpp-python's own generate of the same GGUF with the
-runner's kernel settings (flash attention, f16 K and bf16 V cache, no repacked weights), with the tiled matmul off in
-this process (llama.cpp's generate would read the prompt's last token with it, our runner reads it on the row
-kernels: usd/llamacpp.py): the tokens must be the same. With llama.cpp's default kernels (`usd bench --algorithms ...,llamacpp`) they may differ at
-near-ties, since those kernels round a batch differently from a single step.
+"""Our plain greedy decoding on the llama.cpp runner against llama-cpp-python's own generate of the same GGUF, both
+with one kernel for every batch (flash attention, f16 K and bf16 V cache, plain weights, the tiled matmul off in this
+process), so that their batching does not matter: the tokens must be the same. This checks the runner's loop, cache
+and rollback against llama.cpp's own. With the kernels each uses by default (`usd bench --algorithms ...,llamacpp`)
+they may differ at near-ties: llama.cpp reads a prompt's last token in the prompt's batch, our runner on the row
+kernels (usd/llamacpp.py).
 
     PYTHONPATH=. python scripts/check_llamacpp_reference.py [humaneval|mtbench] [N]
 """
@@ -50,6 +51,11 @@ def reference_with_our_kernels(model: llamacpp.LlamaCppModel) -> llama_cpp.Llama
 
 def main(dataset: str, n: int) -> int:
     pair = usd.load_pair(precision="gguf", log=lambda m: None)
+    loaded = pair.target
+    pair.target = llamacpp.LlamaCppModel(
+        loaded.path, n_ctx=loaded.n_ctx, name=loaded.name_or_path, repacked_weights=False
+    )
+    pair.target.generation_config = loaded.generation_config
     llm = reference_with_our_kernels(pair.target)
     eos = pair.eos_ids()
     same = 0

@@ -28,7 +28,7 @@ def timings(model: llamacpp.LlamaCppModel, ids: list[int]) -> tuple[float, float
     """(prefill seconds, decode tokens/s) from an empty cache."""
     model.forget()
     t0 = time.perf_counter()
-    model.feed(ids[:-1], 0, prefill=True)  # as the runner reads a prompt: its body on the prefill kernels
+    model.feed(ids[:-1], 0, model.batching.prompt_kernels([], len(ids))[:-1])  # as the runner reads a prompt
     model.feed(ids[-1:], 1)
     prefill = time.perf_counter() - t0
     token = ids[-1]
@@ -45,15 +45,10 @@ def main(name: str) -> None:
     ids = load_tokenizer(entry, local_path(entry)).encode(PROMPT)
     f16, no_fa = llamacpp.GGML_TYPE_F16, lib.LLAMA_FLASH_ATTN_TYPE_DISABLED
     settings = {
-        "the runner's (flash attention, f16 K, bf16 V, plain weights)": {},
+        "the runner's (flash attention, f16 K, bf16 V, repacked weights)": {},
+        "plain weights": {"repacked_weights": False},
         "f16 V": {"type_v": f16},
         "no flash attention, f16 V": {"flash_attn_type": no_fa, "type_v": f16},
-        "the runner's + repacked weights": {"repacked_weights": True},
-        "repacked weights, no flash attention, f16 V": {
-            "repacked_weights": True,
-            "flash_attn_type": no_fa,
-            "type_v": f16,
-        },
     }
     models = {label: llamacpp.LlamaCppModel(path, n_ctx=2048, **kw) for label, kw in settings.items()}
     runs: dict[str, list[tuple[float, float]]] = {label: [] for label in models}

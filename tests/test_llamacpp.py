@@ -213,7 +213,8 @@ def _next_logits(model, ids):
 @needs_llama
 def test_a_prompt_gets_the_same_logits_whatever_the_cache_held(gguf):
     """A prompt's body runs on the prefill kernels and its last token on the row kernels, however much of it the cache
-    held and on which kernels: a shorter or longer prompt sharing a prefix, an unrelated one, nothing."""
+    held and on which kernels: a prompt sharing a prefix with it, one it goes on from, a longer one, an unrelated one,
+    nothing. (A conversation it continues is the exception: its answer's positions keep their kernels, next test.)"""
     model, tok = gguf[QWEN]
     ids = tok.encode(LONG)[:120]
     model.forget()
@@ -226,6 +227,8 @@ def test_a_prompt_gets_the_same_logits_whatever_the_cache_held(gguf):
         "all but 3 tokens": ids[:-3] + tok.encode(" pass"),
         "the first 20": ids[:20] + tok.encode(" # unrelated"),
         "it and more": ids + tok.encode("\n    return x"),
+        "a shorter prompt it goes on from": ids[:-5],
+        "itself less its last token": ids[:-1],
         "it": ids,
         "an unrelated prompt": tok.encode(PROMPTS[1]),
     }
@@ -259,9 +262,10 @@ def test_a_conversation_displaced_from_the_cache_gets_its_positions_bits_back(gg
 @pytest.mark.real_models
 @needs_llama
 def test_a_verify_longer_than_a_row_batch_equals_plain_greedy(gguf):
-    """k + 1 > ROW_BATCH: the verify takes several row batches."""
-    assert 9 > llamacpp.ROW_BATCH
-    _identity(pair_of(gguf[QWEN], gguf[SMOL]), PROMPTS[0], algorithms=(("tli", 8), ("slem", 12)))
+    """k + 1 > the row batch: the verify takes several llama_decode calls."""
+    pair = pair_of(gguf[QWEN], gguf[SMOL])
+    assert pair.target.batching.row_batch < 5
+    _identity(pair, PROMPTS[0], algorithms=(("tli", 4), ("slem", 8)))
 
 
 # --- loading ---------------------------------------------------------------------------------------------------------

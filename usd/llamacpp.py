@@ -12,23 +12,29 @@ llama.cpp's CPU backend picks kernels by batch size, and some sum in another ord
   positions or more takes a split-KV kernel and 64 queries or more a tiled one. So: flash attention on, with a bf16 V
   cache beside the f16 K cache, which keeps every batch on the one-row kernel (it skips masked positions, so the
   cache's padding does not matter either). 0.0 at every length and batch tried.
-- Repacked weights (the "extra buffer types", interleaved Q4_0/Q4_K/IQ4_NL... for AVX2/AVX-512) multiply 4 rows at a
-  time with a gemm kernel and the rest with a gemv kernel, so a row's bits depend on its place in the batch: not
-  loaded (`use_extra_bufts = False`). They would make decoding about 25% faster here (docs/benchmarks.md).
 - tinyBLAS also serves the Q8_0/Q5_0 weights of these GGUFs at two rows or more; on this CPU it gives vec_dot's bits.
   Should another CPU differ, tests/test_llamacpp.py says so, and -DGGML_LLAMAFILE=OFF in CMAKE_ARGS is the fix.
-- The tiled K-quant matmul takes batches of PREFILL_MIN_ROWS (8) rows or more and sums in another order than vec_dot,
-  which serves smaller ones. Each kernel on its own gives a row the same bits in any batch it serves, and the tiled
-  one reads a prompt 2.7x faster. So the runner uses both and fixes which one computes each position, once:
-  * a prompt's body (every token but the last) on the prefill kernels, in batches of 8 rows or more, when it is that
-    long; its last token, and everything after it (verified drafts, the target's own tokens, a drafter's steps and
-    catch-up), on the row kernels, in batches of at most ROW_BATCH (7): a verify of k > 6 drafts takes more calls;
-  * a position keeps its kernels for good: each context records them (`LlamaCppContext.prefill`), the cache records
+
+The matmuls remain, and two families of kernels with them. Each family on its own gives a row the same bits in any
+batch it serves, but the two sum in different orders:
+- with repacked weights (the "extra buffer types", interleaved Q4_0/Q4_K/Q6_K... for AVX2/AVX-512; llama.cpp's
+  default, and ours: decoding 28% faster here) a batch of 4 rows or more runs whole groups of GEMM_ROWS (4) through a
+  gemm kernel and the rest row by row through gemv: row batches of at most 3 rows, prefill batches of a multiple of 4;
+- with plain weights (`repacked_weights=False`) the tiled K-quant matmul takes batches of PREFILL_MIN_ROWS (8) or more
+  and vec_dot smaller ones (reading a prompt 2.7x faster than vec_dot, 1.5x faster than the repacked gemm): row
+  batches of at most 7 rows, prefill batches of 8 or more. `Batching` holds each geometry.
+So the runner fixes, once, which family computes each position:
+  * a prompt's body (every token but the last) on the prefill kernels, as far as prefill batches reach; the few body
+    tokens left, its last token, and everything after it (verified drafts, the target's own tokens, a drafter's steps
+    and catch-up) on the row kernels: a verify longer than a row batch takes several llama_decode calls;
+  * a position keeps its kernels for good: each context records them (`LlamaCppContext.kernels`), the cache records
     what computed what it holds, a context reuses only cached positions its own kernels computed, and a new context
     (a chat's next turn, a server slot's conversation after another displaced it) takes the kernels of what it shares
-    with the cache or with one of the model's recent contexts (`LlamaCppModel.lineages`).
+    with the cache or with one of the model's recent contexts (`LlamaCppModel.lineages`), less a prompt's tail, which
+    a longer prompt reads as body.
   So plain decoding and every algorithm compute every position of an answer on the same kernels, and a prompt's
-  logits do not depend on what the cache held before (tests/test_llamacpp.py).
+  logits do not depend on what the cache held before, unless it continues a conversation held there, whose answers'
+  positions keep the row kernels they were generated with (tests/test_llamacpp.py).
 
 One llama.cpp context per model is reused by every generation: `new_context(ids)` keeps the longest common prefix of
 what the cache holds (a multi-turn chat re-feeds only the new turn) and drops the rest.
@@ -38,6 +44,7 @@ from __future__ import annotations
 
 import ctypes
 import importlib.util
+import itertools
 import os
 import threading
 import time
@@ -56,8 +63,11 @@ N_BATCH = 512
 PREFILL_MIN_ROWS = 8
 """llama.cpp's tiled K-quant matmul takes batches of this many rows or more (ggml-cpu/tiled/tiled.cpp) and sums in
 another order than the row kernels below it; see the module docstring."""
-ROW_BATCH = PREFILL_MIN_ROWS - 1
-"""The most tokens per llama_decode call on the row kernels (a verify of k drafts takes ceil((k + 1) / 7) calls)."""
+GEMM_ROWS = 4
+"""Repacked weights multiply a batch of 4 rows or more in groups of this many (gemm), the rest row by row (gemv)."""
+ROW, PREFILL, PROMPT_ROW = 0, 1, 2
+"""What computes a position: the row kernels (an answer's tokens, drafts), the prefill kernels (a prompt's body), the
+row kernels for a prompt's last token or the few body tokens a prefill batch could not take."""
 LINEAGES = 16
 """How many recent decoding contexts a model remembers the kernels of."""
 N_OUTPUTS = 32
@@ -153,7 +163,7 @@ class LlamaCppModel:
         n_threads: int | None = None,
         generation_config=None,
         name: str | None = None,
-        repacked_weights: bool = False,
+        repacked_weights: bool = True,
         **context_params,
     ):
         lib = _lib()
@@ -162,8 +172,9 @@ class LlamaCppModel:
         self.generation_config = generation_config
         mp = lib.llama_model_default_params()
         mp.n_gpu_layers = 0
-        # no repacked weights: their gemm and gemv kernels sum differently (True only for measurements)
+        # repacked weights, as llama.cpp loads them by default: their gemv serves our row batches (module docstring)
         mp.use_extra_bufts = repacked_weights
+        self.batching = Batching.for_weights(repacked_weights)
         model = lib.llama_model_load_from_file(str(self.path).encode(), mp)
         if not model:
             raise RuntimeError(f"llama.cpp could not load {self.path}{_last_errors()}")
@@ -197,8 +208,8 @@ class LlamaCppModel:
         self.config = GGUFConfig(max_position_embeddings=self.n_ctx, vocab_size=self.n_vocab, n_ctx_train=n_train)
         self.kv: list[int] = []
         """The ids whose keys and values the cache holds, at positions 0..len-1."""
-        self.kv_prefill: list[bool] = []
-        """For each cached position, whether the prefill kernels computed it (see `LlamaCppContext.prefill`)."""
+        self.kv_kernels: list[int] = []
+        """What computed each cached position (ROW, PREFILL or PROMPT_ROW: see `LlamaCppContext.kernels`)."""
         self.owner: LlamaCppContext | None = None
         """The decoding context whose ids the cache follows; another one first keeps only what they share."""
         self.lineages: deque[LlamaCppContext] = deque(maxlen=LINEAGES)
@@ -233,39 +244,42 @@ class LlamaCppModel:
             if not self._lib.llama_memory_seq_rm(self._mem, 0, n, -1):
                 raise RuntimeError(f"llama.cpp could not remove positions {n}.. from its cache{_last_errors()}")
             del self.kv[n:]
-            del self.kv_prefill[n:]
+            del self.kv_kernels[n:]
 
-    def known_kernels(self, ids: list[int]) -> list[bool]:
-        """The kernels of the longest prefix of `ids` that the cache or a recent context computed."""
-        best: list[bool] = []
+    def known_kernels(self, ids: list[int]) -> list[int]:
+        """The kernels of the longest prefix of `ids` that the cache or a recent context computed, less a prompt's
+        tail there (a new prompt that goes on past it reads it as body, as it would from an empty cache)."""
+        best: list[int] = []
         # copies: another thread's decode loop may be cutting its context's ids back (truncate takes no lock)
-        for seen, kernels in [(self.kv, self.kv_prefill), *((list(c.ids), c.prefill) for c in self.lineages)]:
+        for seen, kernels in [(self.kv, self.kv_kernels), *((list(c.ids), c.kernels) for c in self.lineages)]:
             n = _common_prefix(ids, seen, limit=len(kernels))
             if n > len(best):
                 best = kernels[:n]
-        return _whole_prefill_runs(best)
+        while best and best[-1] == PROMPT_ROW:
+            best.pop()
+        return self.batching.whole_runs(best)
 
-    def feed(self, tokens: list[int], n_out: int, prefill: bool | list[bool] = False) -> np.ndarray:
+    def feed(self, tokens: list[int], n_out: int, kernels: int | list[int] = ROW) -> np.ndarray:
         """Evaluate `tokens` at the positions after the cache; return the logits of the last `n_out` as [n_out, V].
-        `prefill` says, for all or for each token, whether it runs on the prefill kernels (in batches of at least
-        PREFILL_MIN_ROWS) or on the row kernels (in batches of at most ROW_BATCH)."""
+        `kernels` (for all or for each token: ROW, PREFILL, PROMPT_ROW) says which kernels compute it, in batches the
+        model's `batching` allows for them."""
         if len(self.kv) + len(tokens) > self.n_ctx:
             raise ValueError(
                 f"{self.name_or_path}: {len(self.kv) + len(tokens):,} positions do not fit the llama.cpp "
                 f"context of {self.n_ctx:,}"
             )
-        kernels = [prefill] * len(tokens) if isinstance(prefill, bool) else list(prefill)
+        kinds = [kernels] * len(tokens) if isinstance(kernels, int) else list(kernels)
         n_out = min(n_out, len(tokens))
         first_out = len(tokens) - n_out
         rows = []
-        for start, end in _batches(kernels):
+        for start, end in self.batching.batches([k == PREFILL for k in kinds]):
             outs = max(0, end - max(first_out, start))
-            if outs > ROW_BATCH:
-                raise ValueError(f"{outs} rows of logits from one prefill batch (at most {ROW_BATCH})")
+            if outs > self.batching.row_batch:
+                raise ValueError(f"{outs} rows of logits from one prefill batch (at most {self.batching.row_batch})")
             for ptr in self._decode(tokens[start:end], len(self.kv), outs):
                 rows.append(np.ctypeslib.as_array(ptr, shape=(self.n_vocab,)).copy())  # the next decode reuses it
             self.kv.extend(tokens[start:end])
-            self.kv_prefill.extend(kernels[start:end])
+            self.kv_kernels.extend(kinds[start:end])
         return np.stack(rows) if rows else np.empty((0, self.n_vocab), dtype=np.float32)
 
     def _decode(self, tokens: list[int], pos0: int, n_out: int):
@@ -299,49 +313,72 @@ def _common_prefix(a: list[int], b: list[int], limit: int) -> int:
     return n
 
 
-def _trailing_prefill(kernels: list[bool]) -> int:
+def _trailing_prefill(kernels: list[int]) -> int:
     """How many positions at the end of `kernels` the prefill kernels computed."""
     n = 0
-    while n < len(kernels) and kernels[-1 - n]:
+    while n < len(kernels) and kernels[-1 - n] == PREFILL:
         n += 1
     return n
 
 
-def _whole_prefill_runs(kernels: list[bool]) -> list[bool]:
-    """`kernels` without a trailing prefill run too short to be fed again as one batch (it is computed afresh)."""
-    run = _trailing_prefill(kernels)
-    return kernels[: len(kernels) - run] if 0 < run < PREFILL_MIN_ROWS else kernels
+@dataclass(frozen=True)
+class Batching:
+    """The llama_decode calls that give a position the same bits in any of them, for one weight layout: at most
+    `row_batch` rows on the row kernels; on the prefill kernels at least PREFILL_MIN_ROWS, in multiples of
+    `multiple` (module docstring)."""
 
+    row_batch: int
+    multiple: int
 
-def _prompt_kernels(known: list[bool], n: int) -> list[bool]:
-    """The kernels of a new context's n ids, given those `known` for a prefix of them: every id of the prompt but the
-    last on the prefill kernels when there are enough of them for a batch of those, the rest, and the last (where the
-    next logits are read), on the row kernels; a known id keeps its kernels."""
-    body = max(n - 1, 0)
-    kernels = _whole_prefill_runs(known[:body])
-    undecided = body - len(kernels)
-    if undecided > 0:
-        kernels += [undecided + _trailing_prefill(kernels) >= PREFILL_MIN_ROWS] * undecided
-    return kernels + [False] * (n - len(kernels))
+    @staticmethod
+    def for_weights(repacked: bool) -> Batching:
+        # repacked: gemv below GEMM_ROWS rows, whole gemm groups above; plain: vec_dot below the tiled matmul's floor
+        return Batching(GEMM_ROWS - 1, GEMM_ROWS) if repacked else Batching(PREFILL_MIN_ROWS - 1, 1)
 
+    def prefill_run(self, n: int) -> int:
+        """The most of n positions one run on the prefill kernels can take (0: too few for a prefill batch)."""
+        n -= n % self.multiple
+        return n if n >= PREFILL_MIN_ROWS else 0
 
-def _batches(kernels: list[bool]) -> list[tuple[int, int]]:
-    """[start, end) of each llama_decode call: runs of one kernel, prefill runs in near-equal batches of at most
-    N_BATCH (each at least PREFILL_MIN_ROWS, as every prefill run is), row runs in batches of at most ROW_BATCH."""
-    out, start = [], 0
-    while start < len(kernels):
-        end = start
-        while end < len(kernels) and kernels[end] == kernels[start]:
-            end += 1
-        n = end - start
-        if kernels[start] and n < PREFILL_MIN_ROWS:
-            raise ValueError(f"a prefill run of {n} positions (the prefill kernels take {PREFILL_MIN_ROWS} or more)")
-        size = N_BATCH if kernels[start] else ROW_BATCH
-        parts = -(-n // size)
-        cuts = [start + n * i // parts for i in range(parts + 1)]
-        out += list(zip(cuts, cuts[1:]))
-        start = end
-    return out
+    def whole_runs(self, kernels: list[int]) -> list[int]:
+        """`kernels` cut back to the last position a prefill batch can compute again (a trailing prefill run that a
+        shared prefix or a rollback cut short is computed afresh)."""
+        run = _trailing_prefill(kernels)
+        return kernels[: len(kernels) - run + self.prefill_run(run)]
+
+    def prompt_kernels(self, known: list[int], n: int) -> list[int]:
+        """The kernels of a new context's n ids, given those `known` of a prefix of them: the prompt's body on the
+        prefill kernels as far as prefill batches reach, the few left and its last token (where the next logits are
+        read) on the row kernels; a known position keeps its kernels."""
+        body = max(n - 1, 0)
+        kernels = self.whole_runs(known[:body])
+        undecided = body - len(kernels)
+        if undecided > 0:
+            run = _trailing_prefill(kernels)
+            more = max(0, self.prefill_run(run + undecided) - run)
+            kernels += [PREFILL] * more + [PROMPT_ROW] * (undecided - more)
+        return kernels + [PROMPT_ROW] * (n - len(kernels))
+
+    def batches(self, prefill: list[bool]) -> list[tuple[int, int]]:
+        """[start, end) of each llama_decode call: runs of one kernel family, a prefill run in near-equal batches of at
+        most N_BATCH, a row run in batches of at most `row_batch`."""
+        out, start = [], 0
+        while start < len(prefill):
+            end = start
+            while end < len(prefill) and prefill[end] == prefill[start]:
+                end += 1
+            n = end - start
+            if prefill[start] and self.prefill_run(n) != n:
+                raise ValueError(
+                    f"a prefill run of {n} positions (prefill batches take {PREFILL_MIN_ROWS} or more, in multiples "
+                    f"of {self.multiple})"
+                )
+            unit, size = (self.multiple, N_BATCH) if prefill[start] else (1, self.row_batch)
+            units, parts = n // unit, -(-n // size)
+            cuts = [start + unit * (units * i // parts) for i in range(parts + 1)]
+            out += list(itertools.pairwise(cuts))
+            start = end
+        return out
 
 
 def _free(lib, model, ctx, batch) -> None:
@@ -356,9 +393,10 @@ class LlamaCppContext:
     def __init__(self, model: LlamaCppModel, ids: list[int]):
         self.model = model
         self.ids = list(ids)
-        self.prefill = _prompt_kernels(model.known_kernels(self.ids), len(self.ids))
-        """For each of the first len(prefill) ids, whether the prefill kernels compute it (else the row kernels): fixed
-        when first decided, so that every later evaluation of the position gives the same bits (module docstring)."""
+        self.kernels = model.batching.prompt_kernels(model.known_kernels(self.ids), len(self.ids))
+        """What computes each of the first len(kernels) ids (ROW, PREFILL, PROMPT_ROW); ids added later run on the row
+        kernels. Fixed when first decided, so that every evaluation of a position gives the same bits (module
+        docstring)."""
         model.lineages.append(self)
         self.cached = 0
         """How many of `ids` the cache holds (while this context owns the cache)."""
@@ -369,28 +407,29 @@ class LlamaCppContext:
 
     def truncate(self, n: int) -> None:
         del self.ids[n:]
-        self.prefill = _whole_prefill_runs(self.prefill[:n])
-        self.cached = min(self.cached, len(self.prefill))  # the cache drops the rest at the next forward
+        self.kernels = self.model.batching.whole_runs(self.kernels[:n])
+        self.cached = min(self.cached, len(self.kernels))  # the cache drops the rest at the next forward
 
     def _claim(self) -> None:
         """Own the model's cache, keeping what it holds of our ids computed by our kernels."""
         m = self.model
         if m.owner is self:
             return
-        n = _common_prefix(self.ids, m.kv, limit=len(self.prefill))
-        self.cached = next((i for i in range(n) if m.kv_prefill[i] != self.prefill[i]), n)
+        n = _common_prefix(self.ids, m.kv, limit=len(self.kernels))
+        same = ((a == PREFILL) == (b == PREFILL) for a, b in zip(m.kv_kernels[:n], self.kernels[:n], strict=True))
+        self.cached = next((i for i, ok in enumerate(same) if not ok), n)
         m.owner = self
 
     def _first_to_feed(self, start: int) -> int:
-        """`start`, or earlier when it cuts into a prefill run: that run is fed again from where a batch of at
-        least PREFILL_MIN_ROWS reaches (every prefill run is that long: `_whole_prefill_runs`)."""
-        if start >= len(self.ids) or not self.prefill[start]:
+        """`start`, or earlier when it cuts into a prefill run: that run is fed again from where a prefill batch that
+        ends with it starts (every prefill run takes whole batches: `Batching.whole_runs`)."""
+        if start >= len(self.ids) or self.kernels[start] != PREFILL:
             return start
         end = start
-        while end < len(self.ids) and self.prefill[end]:
+        while end < len(self.ids) and self.kernels[end] == PREFILL:
             end += 1
-        begin = start - _trailing_prefill(self.prefill[:start])
-        return max(begin, min(start, end - PREFILL_MIN_ROWS))
+        step = self.model.batching.multiple
+        return end - max(PREFILL_MIN_ROWS, -(-(end - start) // step) * step)
 
     @torch.inference_mode()
     def forward(self, keep: int = 0) -> torch.Tensor:
@@ -399,12 +438,12 @@ class LlamaCppContext:
         with self.model.lock:  # one llama.cpp context: generations on other threads wait for their turn on it
             self._claim()
             n_out = max(keep or len(self.ids) - self.cached, 1)
-            self.prefill += [False] * (len(self.ids) - len(self.prefill))  # what came after the prompt: row kernels
+            self.kernels += [ROW] * (len(self.ids) - len(self.kernels))  # what came after the prompt
             # Logits are only had by feeding: when the cache already holds positions asked for (the last one, again;
             # or positions another context fed, sharing the model), they are fed again (same kernels, same bits).
             self.cached = self._first_to_feed(min(self.cached, len(self.ids) - n_out))
             self.model.keep_first(self.cached)
-            logits = self.model.feed(self.ids[self.cached :], n_out, self.prefill[self.cached : len(self.ids)])
+            logits = self.model.feed(self.ids[self.cached :], n_out, self.kernels[self.cached : len(self.ids)])
             self.cached = len(self.ids)
         self.forward_s += time.perf_counter() - t0
         return torch.from_numpy(logits)
@@ -422,7 +461,7 @@ def batch_invariance(model: LlamaCppModel, ids: list[int], k: int = 8) -> float:
 def _row_gap(model: LlamaCppModel, ids: list[int], k: int) -> float:
     model.forget()
     head, tail = ids[: -k - 1], ids[-k - 1 :]
-    model.feed(head, 0, prefill=len(head) >= PREFILL_MIN_ROWS)
+    model.feed(head, 0, model.batching.prompt_kernels([], len(head) + 1)[:-1])
     single = np.concatenate([model.feed([t], 1) for t in tail])
     model.keep_first(len(head))
     batched = model.feed(tail, k + 1)
@@ -431,17 +470,18 @@ def _row_gap(model: LlamaCppModel, ids: list[int], k: int) -> float:
 
 
 def _prefill_gap(model: LlamaCppModel, ids: list[int]) -> float:
-    """The next position's logits after a prefill of the rest in one batch and in two (0.0 if too short to split)."""
-    head, last = ids[:-1], ids[-1:]
-    if len(head) < 2 * PREFILL_MIN_ROWS:
+    """The next position's logits after a prefill in one batch and in two (0.0 if too short to split)."""
+    head = ids[: model.batching.prefill_run(len(ids) - 1)]
+    cut = model.batching.prefill_run(len(head) // 2)
+    if not cut or model.batching.prefill_run(len(head) - cut) != len(head) - cut:
         return 0.0
+    nxt = ids[len(head) : len(head) + 1]
     model.forget()
-    model.feed(head, 0, prefill=True)
-    whole = model.feed(last, 1)
+    model.feed(head, 0, PREFILL)
+    whole = model.feed(nxt, 1)
     model.forget()
-    cut = len(head) // 2
-    model.feed(head[:cut], 0, prefill=True)
-    model.feed(head[cut:], 0, prefill=True)
-    split = model.feed(last, 1)
+    model.feed(head[:cut], 0, PREFILL)
+    model.feed(head[cut:], 0, PREFILL)
+    split = model.feed(nxt, 1)
     model.forget()
     return float(np.abs(whole - split).max())
