@@ -17,6 +17,7 @@ import json
 import platform
 import statistics
 import time
+from pathlib import Path
 
 import torch
 import transformers
@@ -58,14 +59,25 @@ def forward_times(model, ids) -> dict:
     return {"step_s": statistics.median(times[0]), "verify_s": {str(k): statistics.median(times[k]) for k in KS}}
 
 
-def runners(entry):
-    """(label, model, switch) for each way this CPU can run the model; switch() puts it in that state."""
-    g = load_model(entry, device="cpu", precision="gguf", log=lambda m: None).model
-    f = load_model(entry, device="cpu", precision="fp32", log=lambda m: None)
-    out = [("gguf", g, lambda: None)]
-    out.append(("fp32", f.model, lambda: cpu_kernels.use_default(f.model)))
-    out.append(("fp32-onednn", f.model, lambda: cpu_kernels.use_onednn(f.model)))
-    return out, f.tokenizer
+RUNNERS = ("gguf", "fp32", "fp32-onednn")
+
+
+def runners(entry, which=RUNNERS):
+    """(label, model, switch) for each way this CPU can run the model (of those in `which`); switch() puts it in that
+    state."""
+    out, tokenizer = [], None
+    if "gguf" in which:
+        g = load_model(entry, device="cpu", precision="gguf", log=lambda m: None)
+        out.append(("gguf", g.model, lambda: None))
+        tokenizer = g.tokenizer
+    if {"fp32", "fp32-onednn"} & set(which):
+        f = load_model(entry, device="cpu", precision="fp32", log=lambda m: None)
+        if "fp32" in which:
+            out.append(("fp32", f.model, lambda: cpu_kernels.use_default(f.model)))
+        if "fp32-onednn" in which:
+            out.append(("fp32-onednn", f.model, lambda: cpu_kernels.use_onednn(f.model)))
+        tokenizer = f.tokenizer
+    return out, tokenizer
 
 
 def short(name: str) -> str:
@@ -77,7 +89,10 @@ def main() -> None:
     parser.add_argument("models", nargs="+")
     parser.add_argument("--json", metavar="OUT", help="write a usd project profile")
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds of the decode-rate measurement")
+    parser.add_argument("--runners", default=",".join(RUNNERS), help="which of them, comma-separated")
+    parser.add_argument("--update", action="store_true", help="keep the other entries of an existing --json profile")
     args = parser.parse_args()
+    which = args.runners.split(",")
     catalog = load_catalog()
     profile: dict = {
         "device": f"cpu ({torch.get_num_threads()} threads), {platform.processor() or platform.machine()}",
@@ -88,7 +103,7 @@ def main() -> None:
         "models": {},
     }
     for name in args.models:
-        ways, tok = runners(catalog.get(name))
+        ways, tok = runners(catalog.get(name), which)
         ids = tok.encode(PROMPT)
         profile["context"] = len(ids)
         rates: dict[str, list[float]] = {label: [] for label, _, _ in ways}
@@ -106,6 +121,9 @@ def main() -> None:
             print(f"  {label:12s} {rate:6.1f} tok/s, step {costs['step_s'] * 1e3:.1f} ms, v(k) {v}")
         del ways
     if args.json:
+        if args.update and Path(args.json).exists():
+            old = json.loads(Path(args.json).read_text(encoding="utf-8"))
+            profile["models"] = {**old.get("models", {}), **profile["models"]}
         with open(args.json, "w", encoding="utf-8") as f:
             json.dump(profile, f, indent=1)
         print(f"profile: {args.json}")

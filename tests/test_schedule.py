@@ -117,7 +117,7 @@ def test_falls_back_to_plain_when_every_k_loses_and_probes_less_and_less():
 
 def test_probing_a_mode_whose_drafter_must_catch_up_costs_at_most_the_probing_budget():
     """A probe that costs far more than its round (the drafter's prefill) waits until it is PROBE_BUDGET of the time."""
-    world = World(**LOSES, setup=40.0)
+    world = World(**LOSES, setup=8.0)  # a wait of about 900 rounds: under PROBE_BUDGET_MAX
     s = Schedule(fake_pair(), "auto", "auto")
     world.run(s, 200)  # settled: every k loses
     spent_before, tokens = world.spent, 4000

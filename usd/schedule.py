@@ -39,6 +39,8 @@ PROBE_MAX = 256
 PROBE_BUDGET = 0.01
 """The most of its time auto spends probing a losing mode: a probe that cost more than plain decoding would have (a
 drafter catching up on a long context, say) waits until it is this share of the time since, PROBE_MAX or not."""
+PROBE_BUDGET_MAX = 1024
+"""The longest such wait, in rounds: a probe inflated by a one-off cost (a first call's warm-up) is not trusted more."""
 DECAY = 0.85
 """Weight of the past in the running means of times: about the last seven observations count."""
 ALPHA_DECAY = 0.97
@@ -253,4 +255,4 @@ class Schedule:
         if plain == float("inf"):
             return 0
         excess = seconds - emitted * plain
-        return min(1 << 16, max(0, int(excess / (PROBE_BUDGET * plain))))
+        return min(PROBE_BUDGET_MAX, max(0, int(excess / (PROBE_BUDGET * plain))))
