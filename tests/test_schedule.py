@@ -126,6 +126,15 @@ def test_probing_a_mode_whose_drafter_must_catch_up_costs_at_most_the_probing_bu
     assert (world.spent - spent_before) / plain_only < 1 + 2 * PROBE_BUDGET * 2  # two modes watched
 
 
+def test_a_fixed_algorithm_that_lost_is_not_probed_at_once_by_auto():
+    """The pair's memory carries what a tli generation cost: auto starts with its wait, not with a probe."""
+    pair, world = fake_pair(), World(**LOSES, setup=8.0)
+    world.run(Schedule(pair, "none", 0), 20)
+    world.run(Schedule(pair, "tli", "auto"), 40)
+    chosen = [m for m, _ in world.run(Schedule(pair, "auto", "auto"), 300)]
+    assert "tli" not in chosen[:200]
+
+
 def test_a_plain_round_names_the_speculation_it_declined_and_why():
     s = Schedule(fake_pair(), "auto", "auto")
     world = World(**LOSES)

@@ -240,8 +240,10 @@ class Schedule:
             self.since[m] = 0 if m == mode else self.since[m] + 1
         verify_s = seconds - draft_s if verify_s is None else verify_s
         self.model.observe(mode, drafted, accepted, draft_s, draft_steps, verify_s, seconds - draft_s - verify_s)
-        if len(self.modes) > 1 and self.model.rounds(mode) >= MIN_TRIES:
-            best = min(self.modes, key=self.per_token)
+        # a fixed algorithm's rounds tell auto too (the memory is the pair's) when that mode is next worth probing
+        rivals = ["none", *(m for m in self.modes if m != "none")]
+        if len(rivals) > 1 and self.model.rounds(mode) >= MIN_TRIES:
+            best = min(rivals, key=self.per_token)
             if mode == best:
                 self.gap[mode] = PROBE_EVERY
             else:
