@@ -25,8 +25,9 @@ batch it serves, but the two sum in different orders:
   batches of at most 7 rows, prefill batches of 8 or more. `Batching` holds each geometry.
 So the runner fixes, once, which family computes each position:
   * a prompt's body (every token but the last) on the prefill kernels, as far as prefill batches reach; the few body
-    tokens left, its last token, and everything after it (verified drafts, the target's own tokens, a drafter's steps
-    and catch-up) on the row kernels: a verify longer than a row batch takes several llama_decode calls;
+    tokens left, its last token, and everything after it whose logits are read (verified drafts, the target's own
+    tokens, a drafter's steps) on the row kernels: a verify longer than a row batch takes several llama_decode calls;
+    what a drafter catches up on without reading logits, on the prefill kernels again as far as they reach;
   * a position keeps its kernels for good: each context records them (`LlamaCppContext.kernels`), the cache records
     what computed what it holds, a context reuses only cached positions its own kernels computed, and a new context
     (a chat's next turn, a server slot's conversation after another displaced it) takes the kernels of what it shares
@@ -394,9 +395,9 @@ class LlamaCppContext:
         self.model = model
         self.ids = list(ids)
         self.kernels = model.batching.prompt_kernels(model.known_kernels(self.ids), len(self.ids))
-        """What computes each of the first len(kernels) ids (ROW, PREFILL, PROMPT_ROW); ids added later run on the row
-        kernels. Fixed when first decided, so that every evaluation of a position gives the same bits (module
-        docstring)."""
+        """What computes each of the first len(kernels) ids (ROW, PREFILL, PROMPT_ROW); ids added later get theirs at
+        their first forward (`_decide_new`). Fixed when first decided, so that every evaluation of a position gives the
+        same bits (module docstring)."""
         model.lineages.append(self)
         self.cached = 0
         """How many of `ids` the cache holds (while this context owns the cache)."""
@@ -431,6 +432,18 @@ class LlamaCppContext:
         step = self.model.batching.multiple
         return end - max(PREFILL_MIN_ROWS, -(-(end - start) // step) * step)
 
+    def _decide_new(self, n_out: int) -> None:
+        """Kernels for the ids added since the prompt: those read without logits (a drafter catching up on the answer;
+        the target never has such) on the prefill kernels as far as prefill batches reach, the rest on the row kernels
+        (a verify, the target's steps, a drafter's steps)."""
+        undecided = len(self.ids) - len(self.kernels)
+        if undecided <= 0:
+            return
+        unread = max(0, len(self.ids) - n_out - len(self.kernels))
+        run = _trailing_prefill(self.kernels)
+        more = max(0, self.model.batching.prefill_run(run + unread) - run)
+        self.kernels += [PREFILL] * more + [ROW] * (undecided - more)
+
     @torch.inference_mode()
     def forward(self, keep: int = 0) -> torch.Tensor:
         """Feed every id the cache lacks; return the logits of the last `keep` of them (0: all) as [n, V] float32."""
@@ -438,7 +451,7 @@ class LlamaCppContext:
         with self.model.lock:  # one llama.cpp context: generations on other threads wait for their turn on it
             self._claim()
             n_out = max(keep or len(self.ids) - self.cached, 1)
-            self.kernels += [ROW] * (len(self.ids) - len(self.kernels))  # what came after the prompt
+            self._decide_new(n_out)
             # Logits are only had by feeding: when the cache already holds positions asked for (the last one, again;
             # or positions another context fed, sharing the model), they are fed again (same kernels, same bits).
             self.cached = self._first_to_feed(min(self.cached, len(self.ids) - n_out))
