@@ -175,6 +175,7 @@ class Schedule:
         self.since = memory.setdefault("since", {})
         for m in self.modes:
             self.since.setdefault(m, 0)
+        self.setup_s = memory.setdefault("setup_s", {})  # mode -> setup seconds its next wait has yet to pay off
         self.expected_speedup: float | None = None
         """What the model expects of the round just chosen, against plain decoding (None until it can tell)."""
         self.declined: tuple[str, int, float] | None = None
@@ -240,16 +241,19 @@ class Schedule:
             self.since[m] = 0 if m == mode else self.since[m] + 1
         verify_s = seconds - draft_s if verify_s is None else verify_s
         self.model.observe(mode, drafted, accepted, draft_s, draft_steps, verify_s, seconds - draft_s - verify_s)
+        if setup_s:
+            self.setup_s[mode] = self.setup_s.get(mode, 0.0) + setup_s  # paid off at its next wait, once it is judged
         # a fixed algorithm's rounds tell auto too (the memory is the pair's) when that mode is next worth probing
         rivals = ["none", *(m for m in self.modes if m != "none")]
         if len(rivals) > 1 and self.model.rounds(mode) >= MIN_TRIES:
             best = min(rivals, key=self.per_token)
             if mode == best:
                 self.gap[mode] = PROBE_EVERY
+                self.setup_s.pop(mode, None)
             else:
                 wait = self.gap.get(mode, PROBE_EVERY // 2)
                 longer = 2 * wait if wait < PROBE_MAX else wait  # never shorter while it keeps losing
-                self.gap[mode] = max(longer, self._rounds_to_amortise(seconds + setup_s, emitted))
+                self.gap[mode] = max(longer, self._rounds_to_amortise(seconds + self.setup_s.pop(mode, 0.0), emitted))
 
     def _rounds_to_amortise(self, seconds: float, emitted: int) -> int:
         """Plain rounds after which a round that took `seconds` for `emitted` tokens cost PROBE_BUDGET of the time."""
