@@ -247,7 +247,7 @@ class DrafterState:
             )
             return 0
         if not self.ready:
-            # a one-time cost, kept out of the round's time so it does not bias auto's rates; its probing budget counts it
+            # a one-time cost: kept out of the round's time (it would bias auto's rates); the probe budget counts it
             t0 = time.perf_counter()
             _prefill(self.ctx)
             self.unbilled_s += time.perf_counter() - t0
