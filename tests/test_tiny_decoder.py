@@ -127,13 +127,11 @@ def test_every_algorithm_equals_plain_greedy(pairs, key, prompt):
 
 @pytest.mark.parametrize("key", list(ALGORITHMS))
 def test_speculation_both_accepts_and_rejects(pairs, key):
-    """Over all prompts, each algorithm's drafts are partly kept and partly thrown away: the identity above covers
-    both paths of the acceptance rule, not only one."""
+    """Over all prompts, each drafting algorithm's drafts are partly kept and partly thrown away: the identity above
+    covers both paths of the acceptance rule, not only one. (auto's rounds are these algorithms' rounds; how much it
+    drafts depends on timings, and on tiny models speculation loses on time, so it may draft too little to tell.)"""
     pair = pairs[key]
-    for algorithm in ALGORITHMS[key]:
-        # auto tries every mode before it judges them: from a fresh memory it drafts at least that much, while after
-        # other tests it may have settled on plain decoding (tiny models make speculation lose on time)
-        pair.memory.clear()
+    for algorithm in (a for a in ALGORITHMS[key] if a != "auto"):
         drafted = accepted = 0
         kinds = set()
         for prompt in PROMPTS:
