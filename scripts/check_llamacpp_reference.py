@@ -1,16 +1,20 @@
-"""Our plain greedy decoding on the llama.cpp runner against llama-cpp-python's own generate of the same GGUF, both
-with one kernel for every batch (flash attention, f16 K and bf16 V cache, plain weights, the tiled matmul off in this
-process), so that their batching does not matter: the tokens must be the same. This checks the runner's loop, cache
-and rollback against llama.cpp's own. With the kernels each uses by default (`usd bench --algorithms ...,llamacpp`)
-they may differ at near-ties: llama.cpp reads a prompt's last token in the prompt's batch, our runner on the row
-kernels (usd/llamacpp.py).
+"""Our plain greedy decoding on the llama.cpp runner against llama-cpp-python's own generate of the same GGUF, with
+llama.cpp's default matmul kernels in both (repacked weights, the tiled matmul) and, given to `Llama`, the attention
+settings our runner needs (flash attention, f16 K and bf16 V cache): the tokens must be the same, since our runner
+reads a prompt in one batch and then a token at a time, as llama.cpp's generate does (usd/llamacpp.py). This checks
+the runner's loop, cache and kernel layout against llama.cpp's own. `--plain-weights` checks the other weight layout
+(both sides without repacking).
 
-    PYTHONPATH=. python scripts/check_llamacpp_reference.py [humaneval|mtbench] [N]
+llama.cpp's default attention (no flash attention, an f16 cache) computes a prompt's attention with a batched kernel
+and one token's with another; a batch-invariant runner cannot reproduce both, so `usd bench`'s `llamacpp` row (the
+defaults, as a user opens the file) may differ from our tokens at near-ties.
+
+    PYTHONPATH=. python scripts/check_llamacpp_reference.py [humaneval|mtbench] [N] [--plain-weights]
 """
 
 from __future__ import annotations
 
-import os
+import argparse
 import sys
 
 import llama_cpp
@@ -25,16 +29,15 @@ from usd.sampling import SamplingParams
 MAX_NEW = 64
 
 
-def reference_with_our_kernels(model: llamacpp.LlamaCppModel) -> llama_cpp.Llama:
-    os.environ["GGML_CPU_TILED_MM"] = "0"  # read once, at llama.cpp's first matmul: set before any
+def reference_with_our_attention(model: llamacpp.LlamaCppModel, repacked: bool) -> llama_cpp.Llama:
     default_params = low_level.llama_model_default_params
 
-    def without_repacking():
+    def with_our_layout():
         params = default_params()
-        params.use_extra_bufts = False
+        params.use_extra_bufts = repacked
         return params
 
-    low_level.llama_model_default_params = without_repacking  # Llama() has no argument for it
+    low_level.llama_model_default_params = with_our_layout  # Llama() has no argument for it
     try:
         return llama_cpp.Llama(
             model_path=str(model.path),
@@ -49,14 +52,15 @@ def reference_with_our_kernels(model: llamacpp.LlamaCppModel) -> llama_cpp.Llama
         low_level.llama_model_default_params = default_params
 
 
-def main(dataset: str, n: int) -> int:
+def main(dataset: str, n: int, repacked: bool) -> int:
     pair = usd.load_pair(precision="gguf", log=lambda m: None)
-    loaded = pair.target
-    pair.target = llamacpp.LlamaCppModel(
-        loaded.path, n_ctx=loaded.n_ctx, name=loaded.name_or_path, repacked_weights=False
-    )
-    pair.target.generation_config = loaded.generation_config
-    llm = reference_with_our_kernels(pair.target)
+    if not repacked:
+        loaded = pair.target
+        pair.target = llamacpp.LlamaCppModel(
+            loaded.path, n_ctx=loaded.n_ctx, name=loaded.name_or_path, repacked_weights=False
+        )
+        pair.target.generation_config = loaded.generation_config
+    llm = reference_with_our_attention(pair.target, repacked)
     eos = pair.eos_ids()
     same = 0
     prompts = load_prompts(dataset, n)
@@ -75,11 +79,17 @@ def main(dataset: str, n: int) -> int:
         ok = ours == theirs
         same += ok
         print(
-            f"{prompt.id}: {'same' if ok else f'differs (first at token {first}, lengths {len(ours)}/{len(theirs)})'}"
+            f"{prompt.id} ({len(t_ids)} prompt tokens): "
+            f"{'same' if ok else f'differs (first at token {first}, lengths {len(ours)}/{len(theirs)})'}"
         )
-    print(f"{same}/{len(prompts)} identical")
+    print(f"{same}/{len(prompts)} identical ({'repacked' if repacked else 'plain'} weights)")
     return 0 if same == len(prompts) else 1
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1] if len(sys.argv) > 1 else "mtbench", int(sys.argv[2]) if len(sys.argv) > 2 else 10))
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("dataset", nargs="?", default="mtbench", choices=("humaneval", "mtbench"))
+    parser.add_argument("n", nargs="?", type=int, default=10)
+    parser.add_argument("--plain-weights", action="store_true", help="both sides without repacked weights")
+    args = parser.parse_args()
+    sys.exit(main(args.dataset, args.n, not args.plain_weights))

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 
+import numpy as np
 import pytest
 import test_decoder_distribution
 import torch
@@ -212,8 +213,8 @@ def _next_logits(model, ids):
 @pytest.mark.real_models
 @needs_llama
 def test_a_prompt_gets_the_same_logits_whatever_the_cache_held(gguf):
-    """A prompt's body runs on the prefill kernels and its last token on the row kernels, however much of it the cache
-    held and on which kernels: a prompt sharing a prefix with it, one it goes on from, a longer one, an unrelated one,
+    """A prompt is read in one prefill run, its last token included, however much of it the cache held and on which
+    kernels: a prompt sharing a prefix with it, one it goes on from, a longer one, an unrelated one,
     nothing. (A conversation it continues is the exception: its answer's positions keep their kernels, next test.)"""
     model, tok = gguf[QWEN]
     ids = tok.encode(LONG)[:120]
@@ -237,6 +238,47 @@ def test_a_prompt_gets_the_same_logits_whatever_the_cache_held(gguf):
         _next_logits(model, other)
         got = _next_logits(model, ids)
         assert torch.equal(got, fresh), f"after {label}: max difference {float((got - fresh).abs().max()):.3g}"
+
+
+@pytest.mark.real_models
+@needs_llama
+def test_a_prompt_and_the_steps_after_it_are_what_llama_cpps_own_generate_computes(catalog, real_paths):
+    """llama-cpp-python's `Llama` (its default kernels, repacked weights and the tiled matmul; given the attention
+    settings our runner needs) reads a prompt in one batch and its answer a token at a time. Our runner's logits for
+    the default target are the same bits, whatever the prompt's length modulo a gemm group; the old layout (the
+    prompt's last token on the row kernels) was not."""
+    from llama_cpp import Llama, llama_get_logits_ith
+
+    model, tok = _load(catalog, catalog.default.target, "gguf")
+    llm = Llama(
+        model_path=str(model.path),
+        n_ctx=model.n_ctx,
+        n_threads=model.n_threads,
+        flash_attn=True,
+        type_k=llamacpp.GGML_TYPE_F16,
+        type_v=llamacpp.GGML_TYPE_BF16,
+        verbose=False,
+    )
+
+    def theirs(tokens):
+        llm.eval(tokens)
+        return torch.from_numpy(np.ctypeslib.as_array(llama_get_logits_ith(llm.ctx, -1), shape=(model.n_vocab,)))
+
+    ids = tok.encode(LONG)
+    for n in (40, 41, 42, 43, 9):
+        model.forget()
+        llm.reset()
+        ctx = model.new_context(ids[:n])
+        assert torch.equal(ctx.forward(keep=1)[-1], theirs(ids[:n])), f"a prompt of {n} tokens"
+        for i in range(n, n + 3):
+            ctx.ids.append(ids[i])
+            assert torch.equal(ctx.forward(keep=1)[-1], theirs([ids[i]])), f"step {i - n + 1} after {n} tokens"
+    model.forget()
+    model.feed(ids[:42], 0, [llamacpp.PREFILL] * 40 + [llamacpp.ROW] * 2)
+    row_read = torch.from_numpy(model.feed(ids[42:43], 1)[-1])
+    llm.reset()
+    assert not torch.equal(row_read, theirs(ids[:43])), "the test cannot tell the layouts apart"
+    model.forget()
 
 
 @pytest.mark.real_models

@@ -125,6 +125,25 @@ def test_every_algorithm_equals_plain_greedy(pairs, key, prompt):
                 assert done.stats.drafted > 0, f"{what}: nothing was drafted"
 
 
+@pytest.mark.parametrize(("algorithm", "k"), [("none", None), ("tli", 3)])
+def test_the_prompt_is_fed_in_one_forward_and_never_again(pairs, algorithm, k):
+    """As plain tools read a prompt: whole, its last position's logits choosing the first token; round 0 reads them
+    again from the context (pair.LastLogits), so a plain round 0 feeds nothing and a verify only its drafts."""
+    pair = pairs["byte-level"]
+    fed: list[int] = []
+    hook = pair.target.register_forward_pre_hook(
+        lambda _m, _args, kw: fed.append(kw["input_ids"].shape[1]), with_kwargs=True
+    )
+    try:
+        rounds, _ = run(pair, PROMPTS[0], algorithm=algorithm, k=k, max_new_tokens=4)
+    finally:
+        hook.remove()
+    n = len(pair.target_tokenizer.encode(PROMPTS[0]))
+    first = rounds[0].drafted
+    assert fed[0] == n and fed.count(n) == 1
+    assert fed[1:] == [first] * bool(first) + [r.drafted + 1 for r in rounds[1:]]
+
+
 @pytest.mark.parametrize("key", list(ALGORITHMS))
 def test_speculation_both_accepts_and_rejects(pairs, key):
     """Over all prompts, each drafting algorithm's drafts are partly kept and partly thrown away: the identity above

@@ -211,11 +211,9 @@ def _room(limit: int | None, used: int) -> int:
 
 
 def _prefill(ctx) -> None:
-    """Feed all but the last prompt token, so that later steps feed only what is new."""
-    if len(ctx.ids) > 1:
-        last = ctx.ids.pop()
-        ctx.forward(keep=1)
-        ctx.ids.append(last)
+    """Feed the prompt in one forward, as plain tools do: its last position's logits, which choose the first token, are
+    kept by the context (`pair.LastLogits`), so round 0 reads them again without feeding anything again."""
+    ctx.forward(keep=1)
 
 
 class DrafterState:
@@ -286,7 +284,9 @@ class Generation:
         if algorithm != "none":
             self.drafter = DrafterState(pair, drafter_prompt_ids if drafter_prompt_ids is not None else prompt_ids)
         self.answer = Answer(pair, max_new_tokens, stop_strings)
-        _prefill(self.target)  # before round 0, so round 0 is a true single-token target step
+        _prefill(self.target)
+        self.unfed = 0
+        """Target ids not fed yet: none after the prompt, then the token each round adds of the target's own."""
 
     def stats(self) -> Stats:
         drafter = self.drafter
@@ -344,7 +344,9 @@ class Generation:
             draft_steps=draft.steps,
             verify_s=times.verify_s,
             setup_s=setup_s,
+            fed=drafted + self.unfed,
         )
+        self.unfed = 1
         return Round(
             index=self.tally.rounds - 1,
             k=k,

@@ -17,22 +17,27 @@ llama.cpp's CPU backend picks kernels by batch size, and some sum in another ord
 
 The matmuls remain, and two families of kernels with them. Each family on its own gives a row the same bits in any
 batch it serves, but the two sum in different orders:
-- with repacked weights (the "extra buffer types", interleaved Q4_0/Q4_K/Q6_K... for AVX2/AVX-512; llama.cpp's
-  default, and ours: decoding 28% faster here) a batch of 4 rows or more runs whole groups of GEMM_ROWS (4) through a
-  gemm kernel and the rest row by row through gemv: row batches of at most 3 rows, prefill batches of a multiple of 4;
+- with repacked weights (the "extra buffer types": interleaved Q4_0 and Q4_K for AVX2, not Q6_K there;
+  llama.cpp's default, and ours: decoding 28% faster here) a batch of 4 rows or more runs whole groups of GEMM_ROWS (4)
+  through a gemm kernel and the rest row by row through gemv: row batches of at most 3 rows; the matrices not repacked
+  (Q6_K, Q8_0...) take the plain-weight kernels below, by batch size;
 - with plain weights (`repacked_weights=False`) the tiled K-quant matmul takes batches of PREFILL_MIN_ROWS (8) or more
   and vec_dot smaller ones (reading a prompt 2.7x faster than vec_dot, 1.5x faster than the repacked gemm): row
   batches of at most 7 rows, prefill batches of 8 or more. `Batching` holds each geometry.
-So the runner fixes, once, which family computes each position:
-  * a prompt's body (every token but the last) on the prefill kernels, as far as prefill batches reach; the few body
-    tokens left, its last token, and everything after it whose logits are read (verified drafts, the target's own
-    tokens, a drafter's steps) on the row kernels: a verify longer than a row batch takes several llama_decode calls;
-    what a drafter catches up on without reading logits, on the prefill kernels again as far as they reach;
+So the runner fixes, once, which kernels compute each position:
+  * a prompt, its last token included, in one prefill run, as llama.cpp's own generate reads it (its last token's
+    logits choose the first token, kept for round 0: `pair.LastLogits`): whole gemm groups (PREFILL), then the 0-3
+    rows left (TAIL: gemv for the repacked matrices, the prefill kernels for the others) in the same batch; so its
+    answer's tokens are those llama.cpp's generate gives with the same attention settings
+    (scripts/check_llamacpp_reference.py); a prompt too short for a prefill batch on the row kernels;
+  * everything after it whose logits are read (verified drafts, the target's own tokens, a drafter's steps) on the row
+    kernels: a verify longer than a row batch takes several llama_decode calls; what a drafter catches up on without
+    reading logits, on the prefill kernels again as far as they reach;
   * a position keeps its kernels for good: each context records them (`LlamaCppContext.kernels`), the cache records
     what computed what it holds, a context reuses only cached positions its own kernels computed, and a new context
     (a chat's next turn, a server slot's conversation after another displaced it) takes the kernels of what it shares
-    with the cache or with one of the model's recent contexts (`LlamaCppModel.lineages`), less a prompt's tail, which
-    a longer prompt reads as body.
+    with the cache or with one of the model's recent contexts (`LlamaCppModel.lineages`), less a prompt's TAIL rows,
+    which a longer prompt reads as part of its own prefill run.
   So plain decoding and every algorithm compute every position of an answer on the same kernels, and a prompt's
   logits do not depend on what the cache held before, unless it continues a conversation held there, whose answers'
   positions keep the row kernels they were generated with (tests/test_llamacpp.py).
@@ -57,6 +62,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from .pair import LastLogits
+
 N_CTX_CAP = 8192
 """The most positions a llama.cpp context gets (the catalog's context length, capped for memory)."""
 N_BATCH = 512
@@ -66,9 +73,15 @@ PREFILL_MIN_ROWS = 8
 another order than the row kernels below it; see the module docstring."""
 GEMM_ROWS = 4
 """Repacked weights multiply a batch of 4 rows or more in groups of this many (gemm), the rest row by row (gemv)."""
-ROW, PREFILL, PROMPT_ROW = 0, 1, 2
-"""What computes a position: the row kernels (an answer's tokens, drafts), the prefill kernels (a prompt's body), the
-row kernels for a prompt's last token or the few body tokens a prefill batch could not take."""
+ROW, PREFILL, PROMPT_ROW, TAIL = 0, 1, 2, 3
+"""What computes a position (module docstring):
+- ROW: the row kernels (an answer's tokens, drafts, a verify);
+- PREFILL: the prefill kernels (a prompt, in whole gemm groups with repacked weights);
+- PROMPT_ROW: the row kernels, for a prompt too short for a prefill batch;
+- TAIL: the rows of a prefill batch after its last whole gemm group (repacked weights only; the 0-3 last positions of a
+  prompt): gemv for the repacked matrices, the prefill kernels for the others (Q6_K on AVX2)."""
+FAMILY = {ROW: ROW, PROMPT_ROW: ROW, PREFILL: PREFILL, TAIL: TAIL}
+"""The bits each kind gives: PROMPT_ROW's are ROW's (it differs only in that a longer prompt reads it as body)."""
 LINEAGES = 16
 """How many recent decoding contexts a model remembers the kernels of."""
 N_OUTPUTS = 32
@@ -210,7 +223,7 @@ class LlamaCppModel:
         self.kv: list[int] = []
         """The ids whose keys and values the cache holds, at positions 0..len-1."""
         self.kv_kernels: list[int] = []
-        """What computed each cached position (ROW, PREFILL or PROMPT_ROW: see `LlamaCppContext.kernels`)."""
+        """What computed each cached position (ROW, PREFILL, PROMPT_ROW or TAIL: see `LlamaCppContext.kernels`)."""
         self.owner: LlamaCppContext | None = None
         """The decoding context whose ids the cache follows; another one first keeps only what they share."""
         self.lineages: deque[LlamaCppContext] = deque(maxlen=LINEAGES)
@@ -256,14 +269,14 @@ class LlamaCppModel:
             n = _common_prefix(ids, seen, limit=len(kernels))
             if n > len(best):
                 best = kernels[:n]
-        while best and best[-1] == PROMPT_ROW:
+        while best and best[-1] in (PROMPT_ROW, TAIL):
             best.pop()
         return self.batching.whole_runs(best)
 
     def feed(self, tokens: list[int], n_out: int, kernels: int | list[int] = ROW) -> np.ndarray:
         """Evaluate `tokens` at the positions after the cache; return the logits of the last `n_out` as [n_out, V].
-        `kernels` (for all or for each token: ROW, PREFILL, PROMPT_ROW) says which kernels compute it, in batches the
-        model's `batching` allows for them."""
+        `kernels` (for all or for each token: ROW, PREFILL, PROMPT_ROW, TAIL) says which kernels compute it, in
+        batches the model's `batching` allows for them."""
         if len(self.kv) + len(tokens) > self.n_ctx:
             raise ValueError(
                 f"{self.name_or_path}: {len(self.kv) + len(tokens):,} positions do not fit the llama.cpp "
@@ -273,9 +286,9 @@ class LlamaCppModel:
         n_out = min(n_out, len(tokens))
         first_out = len(tokens) - n_out
         rows = []
-        for start, end in self.batching.batches([k == PREFILL for k in kinds]):
+        for start, end in self.batching.batches(kinds):
             outs = max(0, end - max(first_out, start))
-            if outs > self.batching.row_batch:
+            if outs > self.batching.row_batch:  # the last layer runs on the rows read: on the row kernels
                 raise ValueError(f"{outs} rows of logits from one prefill batch (at most {self.batching.row_batch})")
             for ptr in self._decode(tokens[start:end], len(self.kv), outs):
                 rows.append(np.ctypeslib.as_array(ptr, shape=(self.n_vocab,)).copy())  # the next decode reuses it
@@ -315,7 +328,8 @@ def _common_prefix(a: list[int], b: list[int], limit: int) -> int:
 
 
 def _trailing_prefill(kernels: list[int]) -> int:
-    """How many positions at the end of `kernels` the prefill kernels computed."""
+    """How many positions at the end of `kernels` the prefill kernels computed in whole gemm groups (a run that more
+    positions may join: none after a TAIL, which ends its batch)."""
     n = 0
     while n < len(kernels) and kernels[-1 - n] == PREFILL:
         n += 1
@@ -343,43 +357,66 @@ class Batching:
 
     def whole_runs(self, kernels: list[int]) -> list[int]:
         """`kernels` cut back to the last position a prefill batch can compute again (a trailing prefill run that a
-        shared prefix or a rollback cut short is computed afresh)."""
+        shared prefix or a rollback cut short is computed afresh). TAIL rows, however many of them are left, follow
+        whole gemm groups of at least PREFILL_MIN_ROWS: a batch of those and them gives their bits again."""
+        if kernels and kernels[-1] == TAIL:
+            return kernels
         run = _trailing_prefill(kernels)
         return kernels[: len(kernels) - run + self.prefill_run(run)]
 
     def prompt_kernels(self, known: list[int], n: int) -> list[int]:
-        """The kernels of a new context's n ids, given those `known` of a prefix of them: the prompt's body on the
-        prefill kernels as far as prefill batches reach, the few left and its last token (where the next logits are
-        read) on the row kernels; a known position keeps its kernels."""
-        body = max(n - 1, 0)
-        kernels = self.whole_runs(known[:body])
-        undecided = body - len(kernels)
+        """The kernels of a new context's n ids, given those `known` of a prefix of them (a known position keeps its
+        kernels): the rest of the prompt, last token included, as llama.cpp reads a prompt, in one prefill run (whole
+        gemm groups, then the TAIL rows left), joining a prefill run the known positions end with; on the row
+        kernels if too short for a prefill batch."""
+        kernels = self.whole_runs(known[:n])
+        undecided = n - len(kernels)
         if undecided > 0:
             run = _trailing_prefill(kernels)
-            more = max(0, self.prefill_run(run + undecided) - run)
-            kernels += [PREFILL] * more + [PROMPT_ROW] * (undecided - more)
-        return kernels + [PROMPT_ROW] * (n - len(kernels))
+            gemm = self.prefill_run(run + undecided)
+            if gemm:
+                kernels += [PREFILL] * (gemm - run) + [TAIL] * (run + undecided - gemm)
+            else:
+                kernels += [PROMPT_ROW] * undecided
+        return kernels
 
-    def batches(self, prefill: list[bool]) -> list[tuple[int, int]]:
-        """[start, end) of each llama_decode call: runs of one kernel family, a prefill run in near-equal batches of at
-        most N_BATCH, a row run in batches of at most `row_batch`."""
+    def batches(self, kinds: list[int]) -> list[tuple[int, int]]:
+        """[start, end) of each llama_decode call: a run on the row kernels in batches of at most `row_batch`; a
+        prefill run (PREFILL rows, then any TAIL rows) in near-equal batches of at most N_BATCH, in whole gemm groups
+        but the last, which takes the TAIL rows."""
         out, start = [], 0
-        while start < len(prefill):
-            end = start
-            while end < len(prefill) and prefill[end] == prefill[start]:
-                end += 1
-            n = end - start
-            if prefill[start] and self.prefill_run(n) != n:
+        while start < len(kinds):
+            end = _run_end(kinds, start)
+            gemm = sum(1 for k in kinds[start:end] if k == PREFILL)
+            if FAMILY[kinds[start]] == ROW:
+                unit, size, units = 1, self.row_batch, end - start
+            elif self.prefill_run(gemm) != gemm or end - start - gemm >= self.multiple:
                 raise ValueError(
-                    f"a prefill run of {n} positions (prefill batches take {PREFILL_MIN_ROWS} or more, in multiples "
-                    f"of {self.multiple})"
+                    f"a prefill run of {gemm} + {end - start - gemm} positions (prefill batches take "
+                    f"{PREFILL_MIN_ROWS} or more, in whole groups of {self.multiple} but for fewer TAIL rows)"
                 )
-            unit, size = (self.multiple, N_BATCH) if prefill[start] else (1, self.row_batch)
-            units, parts = n // unit, -(-n // size)
-            cuts = [start + unit * (units * i // parts) for i in range(parts + 1)]
+            else:
+                unit, size, units = self.multiple, N_BATCH, gemm // self.multiple
+            parts = -(-(end - start) // size)
+            cuts = [start + unit * (units * i // parts) for i in range(parts)] + [end]
             out += list(itertools.pairwise(cuts))
             start = end
         return out
+
+
+def _run_end(kinds: list[int], start: int) -> int:
+    """Where the run of one llama_decode family that starts at `start` ends: row kinds; or PREFILL rows and then the
+    TAIL rows that close them."""
+    end = start
+    if FAMILY[kinds[start]] == ROW:
+        while end < len(kinds) and FAMILY[kinds[end]] == ROW:
+            end += 1
+        return end
+    while end < len(kinds) and kinds[end] == PREFILL:
+        end += 1
+    while end < len(kinds) and kinds[end] == TAIL:
+        end += 1
+    return end
 
 
 def _free(lib, model, ctx, batch) -> None:
@@ -395,9 +432,9 @@ class LlamaCppContext:
         self.model = model
         self.ids = list(ids)
         self.kernels = model.batching.prompt_kernels(model.known_kernels(self.ids), len(self.ids))
-        """What computes each of the first len(kernels) ids (ROW, PREFILL, PROMPT_ROW); ids added later get theirs at
-        their first forward (`_decide_new`). Fixed when first decided, so that every evaluation of a position gives the
-        same bits (module docstring)."""
+        """What computes each of the first len(kernels) ids (ROW, PREFILL, PROMPT_ROW, TAIL); ids added later get theirs
+        at their first forward (`_decide_new`). Fixed when first decided, so that every evaluation of a position gives
+        the same bits (module docstring)."""
         model.lineages.append(self)
         self.cached = 0
         """How many of `ids` the cache holds (while this context owns the cache)."""
@@ -405,9 +442,11 @@ class LlamaCppContext:
         """(tokens, bytes) of the generated ids known to spell a prefix of the committed text (drafter sync)."""
         self.forward_s = 0.0
         """Seconds spent inside model forwards."""
+        self.last = LastLogits()
 
     def truncate(self, n: int) -> None:
         del self.ids[n:]
+        self.last.drop_from(n)
         self.kernels = self.model.batching.whole_runs(self.kernels[:n])
         self.cached = min(self.cached, len(self.kernels))  # the cache drops the rest at the next forward
 
@@ -417,15 +456,17 @@ class LlamaCppContext:
         if m.owner is self:
             return
         n = _common_prefix(self.ids, m.kv, limit=len(self.kernels))
-        same = ((a == PREFILL) == (b == PREFILL) for a, b in zip(m.kv_kernels[:n], self.kernels[:n], strict=True))
+        same = (FAMILY[a] == FAMILY[b] for a, b in zip(m.kv_kernels[:n], self.kernels[:n], strict=True))
         self.cached = next((i for i, ok in enumerate(same) if not ok), n)
         m.owner = self
 
     def _first_to_feed(self, start: int) -> int:
         """`start`, or earlier when it cuts into a prefill run: that run is fed again from where a prefill batch that
-        ends with it starts (every prefill run takes whole batches: `Batching.whole_runs`)."""
-        if start >= len(self.ids) or self.kernels[start] != PREFILL:
+        ends with its gemm groups (and takes the TAIL rows after them) starts (`Batching.whole_runs`)."""
+        if start >= len(self.ids) or FAMILY[self.kernels[start]] == ROW:
             return start
+        while self.kernels[start] == TAIL and self.kernels[start - 1] == TAIL:
+            start -= 1  # the TAIL rows are those a batch leaves after its gemm groups: all of them or none
         end = start
         while end < len(self.ids) and self.kernels[end] == PREFILL:
             end += 1
@@ -446,11 +487,18 @@ class LlamaCppContext:
 
     @torch.inference_mode()
     def forward(self, keep: int = 0) -> torch.Tensor:
-        """Feed every id the cache lacks; return the logits of the last `keep` of them (0: all) as [n, V] float32."""
+        """Feed every id the cache lacks; return the logits of the last `keep` of them (0: all) as [n, V] float32.
+        The first of them may be the last position fed, kept (`pair.LastLogits`): a prompt's last position, which
+        only its whole prompt batch computes again."""
         t0 = time.perf_counter()
         with self.model.lock:  # one llama.cpp context: generations on other threads wait for their turn on it
             self._claim()
             n_out = max(keep or len(self.ids) - self.cached, 1)
+            held = self.last.first_of(len(self.ids), n_out)
+            if held is not None:
+                n_out -= 1
+                if not n_out:
+                    return held[None]
             self._decide_new(n_out)
             # Logits are only had by feeding: when the cache already holds positions asked for (the last one, again;
             # or positions another context fed, sharing the model), they are fed again (same kernels, same bits).
@@ -459,7 +507,9 @@ class LlamaCppContext:
             logits = self.model.feed(self.ids[self.cached :], n_out, self.kernels[self.cached : len(self.ids)])
             self.cached = len(self.ids)
         self.forward_s += time.perf_counter() - t0
-        return torch.from_numpy(logits)
+        out = torch.from_numpy(logits)
+        self.last.keep(out, len(self.ids))
+        return torch.cat([held[None], out]) if held is not None else out
 
 
 def batch_invariance(model: LlamaCppModel, ids: list[int], k: int = 8) -> float:
@@ -474,7 +524,7 @@ def batch_invariance(model: LlamaCppModel, ids: list[int], k: int = 8) -> float:
 def _row_gap(model: LlamaCppModel, ids: list[int], k: int) -> float:
     model.forget()
     head, tail = ids[: -k - 1], ids[-k - 1 :]
-    model.feed(head, 0, model.batching.prompt_kernels([], len(head) + 1)[:-1])
+    model.feed(head, 0, model.batching.prompt_kernels([], len(head)))
     single = np.concatenate([model.feed([t], 1) for t in tail])
     model.keep_first(len(head))
     batched = model.feed(tail, k + 1)

@@ -11,6 +11,30 @@ import torch
 from .vocab import TokenizerBytes, align, same_vocabulary, tokenizer_bytes
 
 
+class LastLogits:
+    """The logits of the last position a context fed, while its ids up to there stand. The loop reads a prompt's last
+    position twice: when the prompt is fed (in one forward, as plain tools read it, so the first token is chosen on the
+    same bits as theirs) and as the first row of round 0's verify. Keeping the row spares feeding that position again,
+    which on the llama.cpp runner would mean feeding its whole prompt batch again (docs/design.md §8)."""
+
+    def __init__(self):
+        self.position = -1
+        self.row: torch.Tensor | None = None
+
+    def keep(self, logits: torch.Tensor, n_ids: int) -> None:
+        if len(logits):
+            self.position, self.row = n_ids - 1, logits[-1].clone()  # a copy: callers may change what they got
+
+    def drop_from(self, n: int) -> None:
+        """The ids from n on are gone (a rollback): a kept row there no longer holds."""
+        if self.position >= n:
+            self.position, self.row = -1, None
+
+    def first_of(self, n_ids: int, n_out: int) -> torch.Tensor | None:
+        """The kept row, if it is the first of the last `n_out` positions of `n_ids` ids."""
+        return self.row if n_out > 0 and self.position == n_ids - n_out else None
+
+
 class Context:
     """A model, the token ids it has seen, and its KV cache over all but the not-yet-fed tail."""
 
@@ -20,6 +44,7 @@ class Context:
         self.cache = self._new_cache()
         self.cached = 0
         self.fed_since_crop = 0
+        self.last = LastLogits()
         self.matched = (0, 0)
         """(tokens, bytes) of the generated ids known to spell a prefix of the committed text (drafter sync)."""
         self.forward_s = 0.0
@@ -40,6 +65,7 @@ class Context:
 
     def truncate(self, n: int) -> None:
         del self.ids[n:]
+        self.last.drop_from(n)
         if self.cached > n:
             self._rollback(self.cached - n)
 
@@ -56,17 +82,23 @@ class Context:
     @torch.inference_mode()
     def forward(self, keep: int = 0) -> torch.Tensor:
         """Feed every id the cache lacks; return the logits of the last `keep` of them (0: all) as [n, V] float32
-        on the CPU. Asking only for what is needed matters: a 1,000-token prefill of a 150k vocabulary is 600 MB."""
-        if self.cached == len(self.ids):  # nothing new: re-feed the last token to get its logits again
+        on the CPU. Asking only for what is needed matters: a 1,000-token prefill of a 150k vocabulary is 600 MB.
+        One position more than is new may be asked for: the last one fed, whose logits are kept (`LastLogits`)."""
+        new = len(self.ids) - self.cached
+        held = self.last.first_of(len(self.ids), keep) if keep == new + 1 else None
+        if held is not None and new == 0:
+            return held[None]
+        if held is None and new == 0:  # nothing new and nothing kept: re-feed the last token to get its logits again
             self._rollback(1)
         t0 = time.perf_counter()
-        new = torch.tensor([self.ids[self.cached :]], device=self.model.device)
-        out = self.model(input_ids=new, cache=self.cache, use_cache=True, logits_to_keep=keep)
+        fresh = torch.tensor([self.ids[self.cached :]], device=self.model.device)
+        out = self.model(input_ids=fresh, cache=self.cache, use_cache=True, logits_to_keep=keep - (held is not None))
         self.fed_since_crop += len(self.ids) - self.cached
         self.cached = len(self.ids)
         logits = out.logits[0].float().cpu()  # waits for the device, so the time below is the forward's
         self.forward_s += time.perf_counter() - t0
-        return logits
+        self.last.keep(logits, len(self.ids))
+        return torch.cat([held[None], logits]) if held is not None else logits
 
 
 def open_context(model, ids: list[int]):

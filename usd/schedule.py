@@ -78,9 +78,21 @@ class CostModel:
         return self.modes.setdefault(mode, {"draft": [0.0, 0.0], "other": [0.0, 0.0], "hits": [0.0, 0.0], "rounds": 0})
 
     def observe(
-        self, mode: str, drafted: int, accepted: int, draft_s: float, draft_steps: int, verify_s: float, other_s: float
+        self,
+        mode: str,
+        drafted: int,
+        accepted: int,
+        draft_s: float,
+        draft_steps: int,
+        verify_s: float,
+        other_s: float,
+        fed: int | None = None,
     ) -> None:
-        Mean.add(self.verify.setdefault(str(drafted + 1), [0.0, 0.0]), verify_s)
+        """`fed`: the positions the verify forward fed (drafted + 1 but in round 0, which feeds only the drafts: the
+        prompt's last position was fed with the prompt); a forward that fed none tells nothing of V."""
+        fed = drafted + 1 if fed is None else fed
+        if fed:
+            Mean.add(self.verify.setdefault(str(fed), [0.0, 0.0]), verify_s)
         m = self._mode(mode)
         m["rounds"] += 1
         Mean.add(m["other"], max(0.0, other_s))
@@ -232,6 +244,7 @@ class Schedule:
         draft_steps: int = 0,
         verify_s: float | None = None,
         setup_s: float = 0.0,
+        fed: int | None = None,
     ) -> None:
         """What the round cost and kept. Without the split of its time, all of it counts as the target forward.
         `setup_s`: what the round's mode cost before it (a drafter's prefill): not a cost of its rounds, so kept out of
@@ -240,7 +253,7 @@ class Schedule:
         for m in self.modes:
             self.since[m] = 0 if m == mode else self.since[m] + 1
         verify_s = seconds - draft_s if verify_s is None else verify_s
-        self.model.observe(mode, drafted, accepted, draft_s, draft_steps, verify_s, seconds - draft_s - verify_s)
+        self.model.observe(mode, drafted, accepted, draft_s, draft_steps, verify_s, seconds - draft_s - verify_s, fed)
         if setup_s:
             self.setup_s[mode] = self.setup_s.get(mode, 0.0) + setup_s  # paid off at its next wait, once it is judged
         # a fixed algorithm's rounds tell auto too (the memory is the pair's) when that mode is next worth probing
