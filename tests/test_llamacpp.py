@@ -339,9 +339,10 @@ def test_vocabulary_sizes_and_context_on_both_runners(gguf, fp32):
 
 @pytest.mark.real_models
 @needs_llama
-def test_generations_on_two_threads_take_turns_on_the_one_llama_context(gguf):
-    """The server's slots run generations at once on one pair: llama.cpp's context is not thread-safe, so they take
-    turns on it (the model's lock), and each still gets plain decoding's answer."""
+@pytest.mark.parametrize("max_caches", [1, llamacpp.MAX_CACHES])
+def test_generations_on_several_threads_each_get_plain_decodings_answer(gguf, max_caches):
+    """The server's slots run generations at once on one pair: each takes a llama.cpp context (not thread-safe) of its
+    own while one is to be had, or waits for its turn on one; either way it gets plain decoding's answer."""
     import threading
 
     pair = pair_of(gguf[QWEN], gguf[SMOL])
@@ -352,9 +353,59 @@ def test_generations_on_two_threads_take_turns_on_the_one_llama_context(gguf):
     def run(i: int) -> None:
         got[i] = api.generate(pair, prompt=prompts[i], algorithm="tli", draft_tokens=3, max_new_tokens=24).target_ids
 
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(300)
+    pair.target.max_caches = pair.drafter.max_caches = max_caches
+    try:
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(300)
+    finally:
+        pair.target.max_caches = pair.drafter.max_caches = llamacpp.MAX_CACHES
     assert [got.get(i) for i in range(len(prompts))] == plain
+    assert 1 < len(pair.target.caches) <= llamacpp.MAX_CACHES or max_caches == 1
+
+
+@pytest.mark.real_models
+@needs_llama
+def test_a_conversation_keeps_its_cache_while_another_runs(gguf):
+    """A second generation that runs while the first's cache is busy gets a cache of its own, and later picks the
+    empty one over the first's; each goes on from what its cache holds, with the bits one cache gives."""
+    model, tok = gguf[QWEN]
+    model.forget()
+    prompt, step = tok.encode(LONG)[:60], tok.encode(" pass")[0]
+
+    def first_conversation(before_the_step=lambda: None):
+        a = model.new_context(prompt)
+        a.forward(keep=1)
+        before_the_step()
+        a.ids.append(step)
+        return a, a.forward(keep=1)
+
+    alone = first_conversation()[1]
+    model.forget()
+    b = model.new_context(tok.encode(PROMPTS[1]))
+    with model.borrow(b) as first, model.borrow(model.new_context(prompt)) as second:
+        assert first is not second
+    a, got = first_conversation(before_the_step=lambda: b.forward(keep=1))
+    assert a.cache is not b.cache
+    assert a.cache is not None and a.cache.kv == a.ids, "the first conversation's cache was displaced"
+    assert torch.equal(got, alone)
+
+
+@pytest.mark.real_models
+@needs_llama
+def test_logits_do_not_depend_on_the_thread_count(gguf):
+    """Generations at once share the cores (`LlamaCppModel.borrow`); that must not change a bit."""
+    model, tok = gguf[QWEN]
+    ids = tok.encode(LONG)[:100]
+    cache = model.caches[0]
+    outs = []
+    for n in (model.n_threads, 1):
+        cache.set_threads(n)
+        model.forget()
+        outs.append(
+            np.concatenate([model.feed(ids, 1, model.batching.prompt_kernels([], len(ids))), model.feed(ids[:3], 3)])
+        )
+    cache.set_threads(model.n_threads)
+    assert np.array_equal(outs[0], outs[1])

@@ -42,12 +42,15 @@ So the runner fixes, once, which kernels compute each position:
   logits do not depend on what the cache held before, unless it continues a conversation held there, whose answers'
   positions keep the row kernels they were generated with (tests/test_llamacpp.py).
 
-One llama.cpp context per model is reused by every generation: `new_context(ids)` keeps the longest common prefix of
-what the cache holds (a multi-turn chat re-feeds only the new turn) and drops the rest.
+A model has one llama.cpp context (`LlamaCache`, a KV cache), and one more for each generation that runs while all
+the others are busy (the server's slots), up to MAX_CACHES. A forward takes its generation's cache back if it is free,
+else the free one that costs least to reuse: a multi-turn chat re-feeds only the new turn, and a conversation is not
+displaced by another while a cache of its own is to be had.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import importlib.util
 import itertools
@@ -56,6 +59,7 @@ import threading
 import time
 import weakref
 from collections import deque
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -82,6 +86,8 @@ ROW, PREFILL, PROMPT_ROW, TAIL = 0, 1, 2, 3
   prompt): gemv for the repacked matrices, the prefill kernels for the others (Q6_K on AVX2)."""
 FAMILY = {ROW: ROW, PROMPT_ROW: ROW, PREFILL: PREFILL, TAIL: TAIL}
 """The bits each kind gives: PROMPT_ROW's are ROW's (it differs only in that a longer prompt reads it as body)."""
+MAX_CACHES = 4
+"""The most llama.cpp contexts (KV caches, n_ctx positions each) a model opens for generations running at once."""
 LINEAGES = 16
 """How many recent decoding contexts a model remembers the kernels of."""
 N_OUTPUTS = 32
@@ -164,7 +170,8 @@ class GGUFConfig:
 
 
 class LlamaCppModel:
-    """A GGUF loaded by llama.cpp, with one llama.cpp context (KV cache) that its decoding contexts take turns on."""
+    """A GGUF loaded by llama.cpp, with its llama.cpp contexts (`LlamaCache`: a KV cache each): one, and one more for
+    each generation that runs while all the others are busy (the server's slots), up to `max_caches`."""
 
     device = torch.device("cpu")
     dtype = torch.float32
@@ -178,6 +185,7 @@ class LlamaCppModel:
         generation_config=None,
         name: str | None = None,
         repacked_weights: bool = True,
+        max_caches: int = MAX_CACHES,
         **context_params,
     ):
         lib = _lib()
@@ -209,29 +217,21 @@ class LlamaCppModel:
         cp.no_perf = True
         for key, value in context_params.items():  # overrides, for measurements (they may break batch invariance)
             setattr(cp, key, value)
-        ctx = lib.llama_init_from_model(model, cp)
-        if not ctx:
-            lib.llama_model_free(model)
-            raise RuntimeError(f"llama.cpp could not create a context for {self.path}{_last_errors()}")
-        batch = lib.llama_batch_init(N_BATCH, 0, 1)
-        self._lib, self._model, self._ctx, self._batch = lib, model, ctx, batch
-        self._mem = lib.llama_get_memory(ctx)
-        self._finalizer = weakref.finalize(self, _free, lib, model, ctx, batch)
-        self.n_ctx = lib.llama_n_ctx(ctx)
+        self._lib, self._model, self._params = lib, model, cp
+        self._handles: list = []
+        """Each cache's llama.cpp context and batch, freed before the model."""
+        self._finalizer = weakref.finalize(self, _free, lib, model, self._handles)
         self.n_threads = threads
+        self.caches = [self._new_cache()]
+        """The model's llama.cpp contexts: the first for everything done one at a time, more for generations at once."""
+        self.max_caches = max_caches
+        self.n_ctx = self.caches[0].n_ctx
         self.config = GGUFConfig(max_position_embeddings=self.n_ctx, vocab_size=self.n_vocab, n_ctx_train=n_train)
-        self.kv: list[int] = []
-        """The ids whose keys and values the cache holds, at positions 0..len-1."""
-        self.kv_kernels: list[int] = []
-        """What computed each cached position (ROW, PREFILL, PROMPT_ROW or TAIL: see `LlamaCppContext.kernels`)."""
-        self.owner: LlamaCppContext | None = None
-        """The decoding context whose ids the cache follows; another one first keeps only what they share."""
         self.lineages: deque[LlamaCppContext] = deque(maxlen=LINEAGES)
         """The latest decoding contexts: a new one takes the kernels of the positions it shares with them (a chat's
         next turn, a server slot's conversation after another displaced it), so a re-fed position gets its bits."""
-        self.lock = threading.RLock()
-        """Held for every use of the llama.cpp context, which is not thread-safe: generations running at once (the
-        server's slots, the app's concurrency) take turns on it, each re-feeding what the other displaced."""
+        self.lock = threading.Condition(threading.RLock())
+        """Guards which generation uses which cache, and the lineages; a cache's user decodes without it."""
 
     def __repr__(self) -> str:
         return f"LlamaCppModel({self.path.name}, n_ctx={self.n_ctx}, n_vocab={self.n_vocab}, threads={self.n_threads})"
@@ -243,14 +243,104 @@ class LlamaCppModel:
     def close(self) -> None:
         self._finalizer()
 
+    def _new_cache(self) -> LlamaCache:
+        return LlamaCache(self._lib, self._model, self._params, self._handles, self.n_vocab, self.batching, self.path)
+
+    @contextlib.contextmanager
+    def borrow(self, user: LlamaCppContext) -> Iterator[LlamaCache]:
+        """A cache for `user`'s forward, for it alone (`_pick`). Generations at once share the cores (llama.cpp's bits
+        do not depend on the thread count: tests/test_llamacpp.py)."""
+        with self.lock:
+            while (cache := self._pick(user)) is None:
+                self.lock.wait()
+            cache.busy = True
+            cache.set_threads(max(1, self.n_threads // sum(c.busy for c in self.caches)))
+        try:
+            yield cache
+        finally:
+            with self.lock:
+                cache.busy = False
+                self.lock.notify_all()
+
+    def _pick(self, user: LlamaCppContext) -> LlamaCache | None:
+        """`user`'s own cache if free; a new one if none is free and there is room; else the free one that costs
+        least: what it lacks of `user`'s ids, plus what it holds that they do not share (another conversation's
+        positions, which it would have to re-feed). None: wait."""
+        free = [c for c in self.caches if not c.busy]
+        mine = next((c for c in free if c.owner is user), None)
+        if mine is not None:
+            return mine
+        if not free and len(self.caches) < self.max_caches:
+            try:
+                self.caches.append(self._new_cache())
+                return self.caches[-1]
+            except RuntimeError:  # no memory for another: the generations take turns on those there are
+                self.max_caches = len(self.caches)
+        return max(free, key=lambda c: 2 * _common_prefix(user.ids, c.kv, len(c.kv)) - len(c.kv), default=None)
+
     # --- the cache -------------------------------------------------------------------------------------------------
 
     def forget(self) -> None:
-        """Empty the cache and forget which kernels computed what: the next context computes everything afresh."""
+        """Empty the caches and forget which kernels computed what: the next context computes everything afresh.
+        (Between generations: measurements, `usd bench`.)"""
         with self.lock:
-            self.owner = None
             self.lineages.clear()
-            self.keep_first(0)
+            for cache in self.caches:
+                cache.owner = None
+                cache.keep_first(0)
+
+    def known_kernels(self, ids: list[int]) -> list[int]:
+        """The kernels of the longest prefix of `ids` that a cache or a recent context computed, less a prompt's
+        last rows there (a new prompt that goes on past them reads them in its own prefill run, as it would from an
+        empty cache)."""
+        best: list[int] = []
+        # copies: other threads may be feeding a cache or cutting their context's ids back (truncate takes no lock)
+        seen = [(list(c.kv), list(c.kv_kernels)) for c in self.caches]
+        for ids_seen, kernels in [*seen, *((list(c.ids), c.kernels) for c in self.lineages)]:
+            n = _common_prefix(ids, ids_seen, limit=len(kernels))
+            if n > len(best):
+                best = kernels[:n]
+        while best and best[-1] in (PROMPT_ROW, TAIL):
+            best.pop()
+        return self.batching.whole_runs(best)
+
+    # --- the first cache, for measurements and tests that drive llama.cpp directly ----------------------------------
+
+    @property
+    def kv(self) -> list[int]:
+        return self.caches[0].kv
+
+    def keep_first(self, n: int) -> None:
+        self.caches[0].keep_first(n)
+
+    def feed(self, tokens: list[int], n_out: int, kernels: int | list[int] = ROW) -> np.ndarray:
+        return self.caches[0].feed(tokens, n_out, kernels)
+
+
+class LlamaCache:
+    """One llama.cpp context of a model: a KV cache, the ids it holds and what computed them, and the decoding context
+    whose ids it follows. llama.cpp's context is not thread-safe: one generation uses it at a time
+    (`LlamaCppModel.borrow`)."""
+
+    def __init__(self, lib, model, params, handles: list, n_vocab: int, batching: Batching, path: Path):
+        ctx = lib.llama_init_from_model(model, params)
+        if not ctx:
+            raise RuntimeError(f"llama.cpp could not create a context for {path}{_last_errors()}")
+        batch = lib.llama_batch_init(N_BATCH, 0, 1)
+        handles.append((ctx, batch))
+        self._lib, self._ctx, self._batch, self._mem = lib, ctx, batch, lib.llama_get_memory(ctx)
+        self.n_ctx, self.n_vocab, self.batching, self.path = lib.llama_n_ctx(ctx), n_vocab, batching, path
+        self.kv: list[int] = []
+        """The ids whose keys and values the cache holds, at positions 0..len-1."""
+        self.kv_kernels: list[int] = []
+        """What computed each cached position (ROW, PREFILL, PROMPT_ROW or TAIL: see `LlamaCppContext.kernels`)."""
+        self.owner: LlamaCppContext | None = None
+        """The decoding context whose ids the cache follows; another one first keeps only what they share."""
+        self.busy = False
+        """A forward is using it (`LlamaCppModel.borrow`)."""
+
+    def set_threads(self, n: int) -> None:
+        self._lib.llama_set_n_threads(self._ctx, n, n)
 
     def keep_first(self, n: int) -> None:
         """Drop the cached positions from n on (sequence removal: the cache's own rollback)."""
@@ -260,26 +350,13 @@ class LlamaCppModel:
             del self.kv[n:]
             del self.kv_kernels[n:]
 
-    def known_kernels(self, ids: list[int]) -> list[int]:
-        """The kernels of the longest prefix of `ids` that the cache or a recent context computed, less a prompt's
-        tail there (a new prompt that goes on past it reads it as body, as it would from an empty cache)."""
-        best: list[int] = []
-        # copies: another thread's decode loop may be cutting its context's ids back (truncate takes no lock)
-        for seen, kernels in [(self.kv, self.kv_kernels), *((list(c.ids), c.kernels) for c in self.lineages)]:
-            n = _common_prefix(ids, seen, limit=len(kernels))
-            if n > len(best):
-                best = kernels[:n]
-        while best and best[-1] in (PROMPT_ROW, TAIL):
-            best.pop()
-        return self.batching.whole_runs(best)
-
     def feed(self, tokens: list[int], n_out: int, kernels: int | list[int] = ROW) -> np.ndarray:
         """Evaluate `tokens` at the positions after the cache; return the logits of the last `n_out` as [n_out, V].
         `kernels` (for all or for each token: ROW, PREFILL, PROMPT_ROW, TAIL) says which kernels compute it, in
         batches the model's `batching` allows for them."""
         if len(self.kv) + len(tokens) > self.n_ctx:
             raise ValueError(
-                f"{self.name_or_path}: {len(self.kv) + len(tokens):,} positions do not fit the llama.cpp "
+                f"{self.path.name}: {len(self.kv) + len(tokens):,} positions do not fit the llama.cpp "
                 f"context of {self.n_ctx:,}"
             )
         kinds = [kernels] * len(tokens) if isinstance(kernels, int) else list(kernels)
@@ -419,9 +496,10 @@ def _run_end(kinds: list[int], start: int) -> int:
     return end
 
 
-def _free(lib, model, ctx, batch) -> None:
-    lib.llama_batch_free(batch)
-    lib.llama_free(ctx)
+def _free(lib, model, handles: list) -> None:
+    for ctx, batch in handles:
+        lib.llama_batch_free(batch)
+        lib.llama_free(ctx)
     lib.llama_model_free(model)
 
 
@@ -436,8 +514,10 @@ class LlamaCppContext:
         at their first forward (`_decide_new`). Fixed when first decided, so that every evaluation of a position gives
         the same bits (module docstring)."""
         model.lineages.append(self)
+        self.cache: LlamaCache | None = None
+        """The cache this context last used."""
         self.cached = 0
-        """How many of `ids` the cache holds (while this context owns the cache)."""
+        """How many of `ids` that cache holds (while this context owns it)."""
         self.matched = (0, 0)
         """(tokens, bytes) of the generated ids known to spell a prefix of the committed text (drafter sync)."""
         self.forward_s = 0.0
@@ -450,15 +530,14 @@ class LlamaCppContext:
         self.kernels = self.model.batching.whole_runs(self.kernels[:n])
         self.cached = min(self.cached, len(self.kernels))  # the cache drops the rest at the next forward
 
-    def _claim(self) -> None:
-        """Own the model's cache, keeping what it holds of our ids computed by our kernels."""
-        m = self.model
-        if m.owner is self:
+    def _claim(self, cache: LlamaCache) -> None:
+        """Own `cache`, keeping what it holds of our ids computed by our kernels."""
+        if cache is self.cache and cache.owner is self:
             return
-        n = _common_prefix(self.ids, m.kv, limit=len(self.kernels))
-        same = (FAMILY[a] == FAMILY[b] for a, b in zip(m.kv_kernels[:n], self.kernels[:n], strict=True))
+        n = _common_prefix(self.ids, cache.kv, limit=len(self.kernels))
+        same = (FAMILY[a] == FAMILY[b] for a, b in zip(cache.kv_kernels[:n], self.kernels[:n], strict=True))
         self.cached = next((i for i, ok in enumerate(same) if not ok), n)
-        m.owner = self
+        self.cache, cache.owner = cache, self
 
     def _first_to_feed(self, start: int) -> int:
         """`start`, or earlier when it cuts into a prefill run: that run is fed again from where a prefill batch that
@@ -491,8 +570,8 @@ class LlamaCppContext:
         The first of them may be the last position fed, kept (`pair.LastLogits`): a prompt's last position, which
         only its whole prompt batch computes again."""
         t0 = time.perf_counter()
-        with self.model.lock:  # one llama.cpp context: generations on other threads wait for their turn on it
-            self._claim()
+        with self.model.borrow(self) as cache:  # llama.cpp contexts are not thread-safe: one user each at a time
+            self._claim(cache)
             n_out = max(keep or len(self.ids) - self.cached, 1)
             held = self.last.first_of(len(self.ids), n_out)
             if held is not None:
@@ -503,8 +582,8 @@ class LlamaCppContext:
             # Logits are only had by feeding: when the cache already holds positions asked for (the last one, again;
             # or positions another context fed, sharing the model), they are fed again (same kernels, same bits).
             self.cached = self._first_to_feed(min(self.cached, len(self.ids) - n_out))
-            self.model.keep_first(self.cached)
-            logits = self.model.feed(self.ids[self.cached :], n_out, self.kernels[self.cached : len(self.ids)])
+            cache.keep_first(self.cached)
+            logits = cache.feed(self.ids[self.cached :], n_out, self.kernels[self.cached : len(self.ids)])
             self.cached = len(self.ids)
         self.forward_s += time.perf_counter() - t0
         out = torch.from_numpy(logits)
