@@ -144,6 +144,21 @@ def test_the_prompt_is_fed_in_one_forward_and_never_again(pairs, algorithm, k):
     assert fed[1:] == [first] * bool(first) + [r.drafted + 1 for r in rounds[1:]]
 
 
+def test_round_0_is_neither_a_step_nor_a_verify_of_its_k_in_the_stats():
+    """Round 0 feeds one position less than its kind (the prompt's last came with the prompt): a plain one nothing, a
+    drafting one only its drafts. Counted, it would make the step look free and c and v huge."""
+    from usd.tally import Tally
+
+    tally = Tally("tli")
+    tally.record("none", 0, 0, 0, 0.0, 0.001, fed=0)
+    tally.record("tli", 3, 1, 3, 0.3, 0.12, fed=3)
+    tally.record("none", 0, 0, 0, 0.0, 0.1, fed=1)
+    tally.record("tli", 3, 3, 3, 0.3, 0.2, fed=4)
+    stats = tally.stats(8, None, 0.0, None)
+    assert stats.step_s == pytest.approx(0.1)
+    assert (stats.c, stats.v, stats.mean_k) == (pytest.approx(1.0), pytest.approx(2.0), 3.0)
+
+
 @pytest.mark.parametrize("key", list(ALGORITHMS))
 def test_speculation_both_accepts_and_rejects(pairs, key):
     """Over all prompts, each drafting algorithm's drafts are partly kept and partly thrown away: the identity above

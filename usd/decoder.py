@@ -332,7 +332,8 @@ class Generation:
         if self.drafter is not None:
             setup_s, self.drafter.unbilled_s = self.drafter.unbilled_s, 0.0
         drafted, accepted = len(draft.candidates), verdict.accepted
-        self.tally.record(mode, drafted, accepted, draft.steps, times.draft_s, times.verify_s)
+        fed = drafted + self.unfed
+        self.tally.record(mode, drafted, accepted, draft.steps, times.draft_s, times.verify_s, fed)
         self.schedule.observe(
             mode,
             k,
@@ -344,7 +345,7 @@ class Generation:
             draft_steps=draft.steps,
             verify_s=times.verify_s,
             setup_s=setup_s,
-            fed=drafted + self.unfed,
+            fed=fed,
         )
         self.unfed = 1
         return Round(

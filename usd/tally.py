@@ -16,19 +16,33 @@ class Tally:
     def __init__(self, algorithm: str):
         self.algorithm = algorithm
         self.started = time.perf_counter()
-        self.rounds = self.drafted = self.accepted = 0
+        self.rounds = self.drafted = self.accepted = self.drafting_rounds = 0
         self.by_algorithm: dict[str, int] = {}
         self.step_s: list[float] = []
         """Plain target steps: the unit of c and v."""
         self.verify_s: list[float] = []
         self.draft_step_s: list[float] = []
 
-    def record(self, mode: str, drafted: int, accepted: int, draft_steps: int, draft_s: float, verify_s: float):
+    def record(
+        self,
+        mode: str,
+        drafted: int,
+        accepted: int,
+        draft_steps: int,
+        draft_s: float,
+        verify_s: float,
+        fed: int | None = None,
+    ):
+        """`fed`: the positions the target's forward fed (drafted + 1, but in round 0, which feeds only the drafts:
+        the prompt's last position came with the prompt). Only a forward over drafted + 1 positions is a step or a
+        verify of its k."""
         self.rounds += 1
         self.drafted += drafted
         self.accepted += accepted
+        self.drafting_rounds += drafted > 0
         self.by_algorithm[mode] = self.by_algorithm.get(mode, 0) + 1
-        (self.verify_s if drafted else self.step_s).append(verify_s)
+        if fed is None or fed == drafted + 1:
+            (self.verify_s if drafted else self.step_s).append(verify_s)
         if draft_steps:
             self.draft_step_s.append(draft_s / draft_steps)
 
@@ -46,7 +60,7 @@ class Tally:
             stop_reason=stop_reason,
             c=c,
             v=v,
-            mean_k=self.drafted / len(self.verify_s) if self.verify_s else 0.0,
+            mean_k=self.drafted / self.drafting_rounds if self.drafting_rounds else 0.0,
             rounds_by_algorithm=dict(self.by_algorithm),
             forward_s=forward_s,
             drafting_stopped=drafting_stopped,
