@@ -115,7 +115,9 @@ def test_every_algorithm_equals_plain_greedy(pairs, key, prompt):
     assert_pieces_are_the_text(pair, rounds, plain)
     for algorithm in ALGORITHMS[key]:
         for k in (4, "auto") if algorithm != "auto" else ("auto",):
-            rounds, done = run(pair, prompt, algorithm=algorithm, k=k, max_new_tokens=MAX_NEW)
+            # round 0 drafts too: its verify's first row is the prompt's kept logits (pair.LastLogits); and where an
+            # answer turns to bare bytes at once, it is the one round slem can draft in
+            rounds, done = run(pair, prompt, algorithm=algorithm, k=k, max_new_tokens=MAX_NEW, probe_first=False)
             what = f"{algorithm} k={k} on {prompt!r}"
             assert done.target_ids == plain.target_ids and done.text == plain.text, f"{what}: not plain greedy's"
             assert done.stats.stop_reason == plain.stats.stop_reason
@@ -142,6 +144,14 @@ def test_the_prompt_is_fed_in_one_forward_and_never_again(pairs, algorithm, k):
     first = rounds[0].drafted
     assert fed[0] == n and fed.count(n) == 1
     assert fed[1:] == [first] * bool(first) + [r.drafted + 1 for r in rounds[1:]]
+
+
+def test_a_generation_times_a_plain_step_before_it_speculates(pairs):
+    """probe_first: round 0 reads the prompt's logits and times nothing, so round 1 is plain too; a fixed-k run then
+    has the step that c and v are counted in."""
+    rounds, done = run(pairs["byte-level"], PROMPTS[0], algorithm="tli", k=3, max_new_tokens=10)
+    assert [r.algorithm for r in rounds[:3]] == ["none", "none", "tli"]
+    assert done.stats.c is not None and done.stats.v is not None
 
 
 def test_round_0_is_neither_a_step_nor_a_verify_of_its_k_in_the_stats():

@@ -382,8 +382,9 @@ def stream(
 
     The output is exactly the target's: token-identical to plain greedy decoding when greedy, and distributed as
     plain sampling otherwise. The models are never modified; both stay usable after a cancel.
-    `k` is the draft length (0: plain decoding), or "auto" to adapt it per round. With `probe_first` the first round
-    is a plain target step, which measures the single-step time behind c and v.
+    `k` is the draft length (0: plain decoding), or "auto" to adapt it per round. With `probe_first` the rounds are
+    plain target steps until one has measured the single-step time behind c and v: round 0 reads the logits the prompt
+    left (nothing to time), round 1 feeds a token.
     """
     params = params or SamplingParams()
     algo = resolve_algorithm(pair, algorithm)

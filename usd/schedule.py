@@ -178,6 +178,8 @@ class Schedule:
             self.k_fixed = K_START
         self.min_confidence = MIN_CONFIDENCE if self.adaptive_k else 0.0
         self.probe_first = probe_first
+        self.probed = False
+        """A plain round has fed a position: its time is the step behind c and v (round 0 feeds none, see decoder)."""
         self.round = 0
         memory = pair.memory.setdefault("schedule", {})
         self.model = CostModel(memory)
@@ -208,7 +210,7 @@ class Schedule:
 
     def next(self) -> tuple[str, int]:
         """(algorithm, k) for the coming round; ("none", 0) is a plain target step."""
-        if self.round == 0 and self.probe_first:
+        if self.probe_first and not self.probed:
             mode = "none"
         else:
             mode = self.modes[0] if len(self.modes) == 1 else self._choose()
@@ -250,6 +252,7 @@ class Schedule:
         `setup_s`: what the round's mode cost before it (a drafter's prefill): not a cost of its rounds, so kept out of
         the rates, but part of what probing it cost."""
         self.round += 1
+        self.probed = self.probed or (mode == "none" and fed != 0)
         for m in self.modes:
             self.since[m] = 0 if m == mode else self.since[m] + 1
         verify_s = seconds - draft_s if verify_s is None else verify_s

@@ -51,6 +51,9 @@ if TYPE_CHECKING:
 ALGORITHMS = ("tli", "slem", "standard")
 ANSWER_TOKENS = 32
 """Answer tokens per prompt the target writes for the reference."""
+PROBE_ROUNDS = 2
+"""The plain rounds `decoder.stream` starts with (probe_first): round 0 reads the prompt's logits, round 1 times a
+step."""
 REPEATS = 7
 """Interleaved timing repeats. Each time is the fastest of its repeats: other work on a shared machine only ever
 adds time (as cpu_kernels times its backends)."""
@@ -294,8 +297,8 @@ class _Recording:
 
 @torch.inference_mode()
 def replay(target: Model, drafter: Model, ref: Reference, algorithm: str, k: int = 1, pair=None) -> Acceptance:
-    """Greedy `algorithm` at fixed draft length `k` along the target's answer, as `decoder.stream` runs it (round 0 a
-    plain step, then draft / verify / commit / drafter resync), with the reference in place of the target's verify
+    """Greedy `algorithm` at fixed draft length `k` along the target's answer, as `decoder.stream` runs it (PROBE_ROUNDS
+    plain steps, then draft / verify / commit / drafter resync), with the reference in place of the target's verify
     forward. Returns what the loop's stats would count (accepted, drafted), and for tli/standard the expected
     acceptance under sampling at SAMPLED_TEMPERATURE along the same positions."""
     from .decoder import Answer, DrafterState, Randomness, Verdict, propose
@@ -315,7 +318,7 @@ def replay(target: Model, drafter: Model, ref: Reference, algorithm: str, k: int
     rounds = 0
     while answer.stop_reason is None:
         position = len(answer.ids)
-        mode, k_round = ("none", 0) if rounds == 0 else (algorithm, k)
+        mode, k_round = ("none", 0) if rounds < PROBE_ROUNDS else (algorithm, k)
         if mode != "none":
             k_round = min(k_round, state.room(answer))
             if k_round < 1:
