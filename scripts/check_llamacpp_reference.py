@@ -39,15 +39,7 @@ def reference_with_our_attention(model: llamacpp.LlamaCppModel, repacked: bool) 
 
     low_level.llama_model_default_params = with_our_layout  # Llama() has no argument for it
     try:
-        return llama_cpp.Llama(
-            model_path=str(model.path),
-            n_ctx=model.n_ctx,
-            n_threads=model.n_threads,
-            flash_attn=True,
-            type_k=llamacpp.GGML_TYPE_F16,
-            type_v=llamacpp.GGML_TYPE_BF16,
-            verbose=False,
-        )
+        return llamacpp.llama_with_our_attention(model)
     finally:
         low_level.llama_model_default_params = default_params
 

@@ -247,18 +247,10 @@ def test_a_prompt_and_the_steps_after_it_are_what_llama_cpps_own_generate_comput
     settings our runner needs) reads a prompt in one batch and its answer a token at a time. Our runner's logits for
     the default target are the same bits, whatever the prompt's length modulo a gemm group; the old layout (the
     prompt's last token on the row kernels) was not."""
-    from llama_cpp import Llama, llama_get_logits_ith
+    from llama_cpp import llama_get_logits_ith
 
     model, tok = _load(catalog, catalog.default.target, "gguf")
-    llm = Llama(
-        model_path=str(model.path),
-        n_ctx=model.n_ctx,
-        n_threads=model.n_threads,
-        flash_attn=True,
-        type_k=llamacpp.GGML_TYPE_F16,
-        type_v=llamacpp.GGML_TYPE_BF16,
-        verbose=False,
-    )
+    llm = llamacpp.llama_with_our_attention(model)
 
     def theirs(tokens):
         llm.eval(tokens)

@@ -591,6 +591,24 @@ class LlamaCppContext:
         return torch.cat([held[None], out]) if held is not None else out
 
 
+def llama_with_our_attention(model: LlamaCppModel):
+    """llama-cpp-python's own high-level `Llama` on `model`'s GGUF: llama.cpp's default kernels, with the attention
+    settings our runner needs (flash attention, f16 K and bf16 V cache), so that it must compute our bits (the
+    reference tests/test_llamacpp.py and scripts/check_llamacpp_reference.py compare against)."""
+    _lib()
+    from llama_cpp import Llama
+
+    return Llama(
+        model_path=str(model.path),
+        n_ctx=model.n_ctx,
+        n_threads=model.n_threads,
+        flash_attn=True,
+        type_k=GGML_TYPE_F16,
+        type_v=GGML_TYPE_BF16,
+        verbose=False,
+    )
+
+
 def batch_invariance(model: LlamaCppModel, ids: list[int], k: int = 8) -> float:
     """The largest logit difference that batching makes (0.0: none, as lossless decoding needs), over both: the last
     k+1 positions of `ids` evaluated one at a time against in row batches; and a prefill in one batch against in
