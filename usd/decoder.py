@@ -285,8 +285,6 @@ class Generation:
             self.drafter = DrafterState(pair, drafter_prompt_ids if drafter_prompt_ids is not None else prompt_ids)
         self.answer = Answer(pair, max_new_tokens, stop_strings)
         _prefill(self.target)
-        self.unfed = 0
-        """Target ids not fed yet: none after the prompt, then the token each round adds of the target's own."""
 
     def stats(self) -> Stats:
         drafter = self.drafter
@@ -332,7 +330,9 @@ class Generation:
         if self.drafter is not None:
             setup_s, self.drafter.unbilled_s = self.drafter.unbilled_s, 0.0
         drafted, accepted = len(draft.candidates), verdict.accepted
-        fed = drafted + self.unfed
+        # the target's forward fed the drafts and the token the last round added; round 0 has none (the prompt's
+        # last position came with the prompt)
+        fed = drafted + (self.tally.rounds > 0)
         self.tally.record(mode, drafted, accepted, draft.steps, times.draft_s, times.verify_s, fed)
         self.schedule.observe(
             mode,
@@ -347,7 +347,6 @@ class Generation:
             setup_s=setup_s,
             fed=fed,
         )
-        self.unfed = 1
         return Round(
             index=self.tally.rounds - 1,
             k=k,
