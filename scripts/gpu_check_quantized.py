@@ -1,6 +1,9 @@
 #!/usr/bin/env python
 """GPU check for the loading code: a random-weight Llama (hidden size 256) built from config, loaded 4-bit NF4 and
-8-bit through `usd.loading.load_model` on the GPU, 16 generated tokens each, and the memory used.
+8-bit through `usd.loading.load_model` on the GPU, 16 generated tokens each, and the memory used; then, on the
+decoding steps the load chose (usd/static_cache.py: on a GPU it times transformers' cache, a static one and a
+compiled step), 32 tokens of our plain decoding against `standard` speculation with the model as its own drafter.
+Random weights make near-ties likely, so a difference is reported with its gap (usd.numerics), not asserted.
 
     python scripts/gpu_check_quantized.py                      # on a CUDA machine: nf4, int8, bf16
     python scripts/gpu_check_quantized.py --device cpu --precisions fp32   # the same path on a CPU (the test runs it)
@@ -61,7 +64,8 @@ def run(device: str, precisions: list[str]) -> list[dict]:
             if device == "cuda":
                 torch.cuda.empty_cache()
                 torch.cuda.reset_peak_memory_stats()
-            lm = load_model(entry, device=device, precision=precision, log=lambda m: None)
+            said: list[str] = []
+            lm = load_model(entry, device=device, precision=precision, log=said.append)
             ids = lm.tokenizer("speculative decoding", return_tensors="pt").to(lm.model.device)
             t0 = time.perf_counter()
             out = lm.model.generate(**ids, max_new_tokens=16, min_new_tokens=16, do_sample=False)
@@ -77,11 +81,37 @@ def run(device: str, precisions: list[str]) -> list[dict]:
                 "generate_s": round(seconds, 3),
                 "estimate_bytes": lm.plan.estimate_bytes,
             }
+            row["load_said"] = [line for line in said if "decoding steps" in line]  # the steps chosen, and why
+            row.update(speculation_check(lm))
             if device == "cuda":
                 row["peak_allocated_bytes"] = int(torch.cuda.max_memory_allocated())
             rows.append(row)
             del lm
     return rows
+
+
+def speculation_check(lm) -> dict:
+    """Our loop on the loaded model: plain greedy and `standard` speculation (the model drafts for itself), timed."""
+    from usd.decoder import stream
+    from usd.numerics import divergence
+    from usd.pair import Pair
+    from usd.static_cache import step_kind
+
+    pair = Pair(lm.model, lm.tokenizer, lm.model, lm.tokenizer, "check", "check")
+    ids = lm.tokenizer.encode("speculative decoding is")
+    answers, seconds = {}, {}
+    for algorithm, k in (("none", None), ("standard", 4)):
+        t0 = time.perf_counter()
+        *_, done = stream(pair, ids, ids, algorithm=algorithm, k=k, max_new_tokens=32, probe_first=False)
+        seconds[algorithm], answers[algorithm] = round(time.perf_counter() - t0, 3), list(done.target_ids)
+    plain, spec = answers["none"], answers["standard"]
+    row = {"decoding_steps": step_kind(lm.model), "loop_s": seconds, "standard_equals_plain": spec == plain}
+    if spec != plain:
+        first = next(
+            (i for i, (a, b) in enumerate(zip(plain, spec, strict=False)) if a != b), min(len(plain), len(spec))
+        )
+        row["first_difference"] = divergence(pair, ids, plain, first).explain()
+    return row
 
 
 def main() -> int:

@@ -7,7 +7,9 @@
 NAME is a config in scripts/configs/ (or a path to a config.json); PRECISION one of nf4, int8 (bitsandbytes, CUDA
 only), bf16, fp16, fp32. Each model is timed the way the decode loop uses it (usd.pair.Context): after a prompt of
 --context tokens, a single-token step and a verify forward of k + 1 tokens for k = 1..--k-max, each the median of
---reps runs, with the cache cropped back after each. `--tiny` shrinks every config to two small layers: the CPU
+--reps runs, with the cache cropped back after each. `--steps dynamic,static,compiled` times each model on each
+kind of decoding step a GPU may choose at load (usd/static_cache.py); kinds other than transformers' own cache are
+keyed NAME@PRECISION#KIND. `--tiny` shrinks every config to two small layers: the CPU
 smoke test that keeps this script working on machines without a GPU.
 """
 
@@ -28,7 +30,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from usd.loading import bnb_config, torch_dtype  # noqa: E402
-from usd.pair import Context  # noqa: E402
+from usd.pair import Context, open_context  # noqa: E402
+from usd.static_cache import KINDS, use_step  # noqa: E402
 
 CONFIGS = Path(__file__).resolve().parent / "configs"
 TINY = {
@@ -92,16 +95,18 @@ def timed(ctx: Context, n: int, reps: int) -> float:
     return statistics.median(times)
 
 
-def profile_model(spec: str, device: str, context: int, k_max: int, reps: int, tiny: bool) -> dict:
+def profile_model(spec: str, device: str, context: int, k_max: int, reps: int, tiny: bool, step: str) -> dict:
     name, _, precision = spec.partition("@")
     precision = precision or ("bf16" if device == "cuda" else "fp32")
     cfg = config_for(name, tiny)
     model = build(cfg, precision, device)
-    ctx = Context(model, torch.randint(cfg.vocab_size, (context,)).tolist())
+    use_step(model, step)  # which decoding steps (usd/static_cache.py): transformers' cache, static, compiled
+    ctx = open_context(model, torch.randint(cfg.vocab_size, (context,)).tolist())
     ctx.forward(keep=1)  # prefill
     timed(ctx, 1, 3)  # warm-up: kernels, allocator
     out = {
         "precision": precision,
+        "step": step,
         "params": sum(p.numel() for p in model.parameters()),
         "step_s": timed(ctx, 1, reps),
         "verify_s": {str(k): timed(ctx, k + 1, reps) for k in range(1, k_max + 1)},
@@ -119,6 +124,9 @@ def main(argv=None) -> int:
     p.add_argument("--context", type=int, default=512, help="prompt tokens before timing (default 512)")
     p.add_argument("--k-max", type=int, default=8)
     p.add_argument("--reps", type=int, default=10)
+    p.add_argument(
+        "--steps", default="dynamic", help=f"comma-separated decoding steps to time each model with: {', '.join(KINDS)}"
+    )
     p.add_argument("--tiny", action="store_true", help="two small layers per model: a CPU smoke test")
     p.add_argument("--out", help="also write the profile here")
     args = p.parse_args(argv)
@@ -135,14 +143,17 @@ def main(argv=None) -> int:
         "models": {},
     }
     for spec in args.model:
-        name = spec.partition("@")[0]
-        entry = profile_model(spec, args.device, args.context, args.k_max, args.reps, args.tiny)
-        key = Path(name).stem if name.endswith(".json") else name
-        profile["models"][f"{key}@{entry['precision']}"] = entry
-        print(
-            f"{spec}: step {entry['step_s'] * 1e3:.2f} ms, verify k=4 {entry['verify_s'].get('4', 0) * 1e3:.2f} ms",
-            file=sys.stderr,
-        )
+        for step in args.steps.split(","):
+            name = spec.partition("@")[0]
+            entry = profile_model(spec, args.device, args.context, args.k_max, args.reps, args.tiny, step)
+            key = Path(name).stem if name.endswith(".json") else name
+            suffix = "" if step == "dynamic" else f"#{step}"  # transformers' cache keeps the key `usd project` reads
+            profile["models"][f"{key}@{entry['precision']}{suffix}"] = entry
+            print(
+                f"{spec} ({step}): step {entry['step_s'] * 1e3:.2f} ms, "
+                f"verify k=4 {entry['verify_s'].get('4', 0) * 1e3:.2f} ms",
+                file=sys.stderr,
+            )
     text = json.dumps(profile, indent=1)
     print(text)
     if args.out:

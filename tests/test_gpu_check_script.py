@@ -17,6 +17,8 @@ def test_gpu_check_script_runs_on_cpu():
     rows = mod.run("cpu", ["fp32", "bf16"])
     assert [r["precision"] for r in rows] == ["fp32", "bf16"]
     assert all(r["new_tokens"] == 16 for r in rows)
+    assert all(r["decoding_steps"] == "dynamic" and r["loop_s"]["standard"] > 0 for r in rows)  # CPU: no step choice
+    assert rows[0]["standard_equals_plain"], rows[0].get("first_difference")
     assert rows[0]["loaded_as"] == "fp32" and rows[0]["linear_weight_dtype"] == "torch.float32"
     # bf16 where the loader finds native bf16 on this CPU, else its documented float32 fallback: ask the loader
     # itself, so the test holds on an AVX512-BF16/AMX Xeon and on an AVX2-only EPYC alike.

@@ -146,6 +146,8 @@ def test_profile_script_on_tiny_configs(tmp_path):
             "3",
             "--reps",
             "2",
+            "--steps",
+            "dynamic,static",
             "--out",
             str(out),
         ],
@@ -155,11 +157,14 @@ def test_profile_script_on_tiny_configs(tmp_path):
     )
     assert run.returncode == 0, run.stderr[-2000:]
     profile = json.loads(out.read_text())
-    assert profile["tiny"] is True and set(profile["models"]) == {"llama-3.1-8b@fp32", "smollm2-135m@fp32"}
+    assert profile["tiny"] is True and set(profile["models"]) == {
+        f"{name}@fp32{kind}" for name in ("llama-3.1-8b", "smollm2-135m") for kind in ("", "#static")
+    }
     for m in profile["models"].values():
         assert m["step_s"] > 0 and set(m["verify_s"]) == {"1", "2", "3"} and all(s > 0 for s in m["verify_s"].values())
-    c, v = costs(profile, "llama-3.1-8b", "smollm2-135m")
-    assert c > 0 and set(v) == {1, 2, 3}
+    for kind in ("", "#static"):
+        c, v = costs(profile, f"llama-3.1-8b@fp32{kind}", f"smollm2-135m@fp32{kind}")
+        assert c > 0 and set(v) == {1, 2, 3}
 
 
 def test_project_what_if_without_a_profile(capsys):

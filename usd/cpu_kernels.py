@@ -135,7 +135,7 @@ def choose_linear_backend(model, model_name: str, cache_dir: Path | None, log=pr
     if not torch.backends.mkldnn.is_available() or not _linears(model):
         return "default"
     cache = cache_dir / CACHE_FILE if cache_dir is not None else None
-    known = _read(cache)
+    known = read_choices(cache)
     key = f"{machine_key()}|{model_name}"
     if key not in known:
         t = measure(model)
@@ -147,7 +147,7 @@ def choose_linear_backend(model, model_name: str, cache_dir: Path | None, log=pr
             )
         else:
             known[key] = choice
-            _write(cache, known)
+            write_choices(cache, known)
     else:
         choice = known[key]
     log(
@@ -168,7 +168,7 @@ def busy() -> bool:
     return load / max(1, os.cpu_count() or 1) > BUSY
 
 
-def _read(path: Path | None) -> dict:
+def read_choices(path: Path | None) -> dict:
     try:
         data = json.loads(path.read_text()) if path is not None else {}
     except (OSError, ValueError):
@@ -176,7 +176,7 @@ def _read(path: Path | None) -> dict:
     return data if isinstance(data, dict) else {}
 
 
-def _write(path: Path | None, data: dict) -> None:
+def write_choices(path: Path | None, data: dict) -> None:
     if path is None:
         return
     try:

@@ -4,6 +4,8 @@ On CUDA the entry's precision applies (4-bit NF4 with bf16 compute and double qu
 bf16) through bitsandbytes with `device_map="auto"`, so a big target spreads over every visible GPU. On a CPU,
 bitsandbytes is not used: bf16 where the CPU has native bf16 arithmetic, float32 elsewhere. Precision `gguf` runs the
 model's GGUF file as it is on llama.cpp, on the CPU (`usd.llamacpp`); the tokenizer comes from transformers as always.
+A CPU's fp32 Linear layers (`usd.cpu_kernels`) and a GPU's decoding steps (`usd.static_cache`) are chosen by a timing
+at the first load on a machine.
 """
 
 from __future__ import annotations
@@ -410,6 +412,10 @@ def load_model(
         from .cpu_kernels import choose_linear_backend
 
         choose_linear_backend(model, entry.name, cache_dir(), log)
+    if device == "cuda":
+        from .static_cache import choose_step
+
+        choose_step(model, entry.name, plan.precision, cache_dir(), log)
     return LoadedModel(entry.name, model, tokenizer, plan, path, entry)
 
 

@@ -92,13 +92,18 @@ class Context:
             self._rollback(1)
         t0 = time.perf_counter()
         fresh = torch.tensor([self.ids[self.cached :]], device=self.model.device)
-        out = self.model(input_ids=fresh, cache=self.cache, use_cache=True, logits_to_keep=keep - (held is not None))
+        out = self._run(fresh, keep - (held is not None))
         self.fed_since_crop += len(self.ids) - self.cached
         self.cached = len(self.ids)
-        logits = out.logits[0].float().cpu()  # waits for the device, so the time below is the forward's
+        logits = out[0].float().cpu()  # waits for the device, so the time below is the forward's
         self.forward_s += time.perf_counter() - t0
         self.last.keep(logits, len(self.ids))
         return torch.cat([held[None], logits]) if held is not None else logits
+
+    def _run(self, fresh: torch.Tensor, keep: int) -> torch.Tensor:
+        """One forward of the model over `fresh` ([1, n] ids) on this context's cache: the logits of its last `keep`
+        positions (0: all), [1, n, V] on the model's device."""
+        return self.model(input_ids=fresh, cache=self.cache, use_cache=True, logits_to_keep=keep).logits
 
 
 def open_context(model, ids: list[int]):

@@ -38,7 +38,9 @@ def _find(models: dict, spec: str) -> dict | None:
         return models[spec]
     matches = [k for k in models if k.partition("@")[0] == spec]
     if len(matches) > 1:
-        raise ValueError(f"{spec!r} was profiled at several precisions ({', '.join(matches)}); name one as NAME@PREC")
+        raise ValueError(
+            f"{spec!r} was profiled at several precisions or steps ({', '.join(matches)}); name one as it is keyed"
+        )
     return models[matches[0]] if matches else None
 
 
