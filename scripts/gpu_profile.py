@@ -95,23 +95,27 @@ def timed(ctx: Context, n: int, reps: int) -> float:
     return statistics.median(times)
 
 
-def profile_model(spec: str, device: str, context: int, k_max: int, reps: int, tiny: bool, step: str) -> dict:
+def profile_model(spec: str, device: str, context: int, k_max: int, reps: int, tiny: bool, steps: list[str]) -> dict:
+    """{step kind: timings} for one model, built once and timed on each kind of decoding step in turn."""
     name, _, precision = spec.partition("@")
     precision = precision or ("bf16" if device == "cuda" else "fp32")
     cfg = config_for(name, tiny)
     model = build(cfg, precision, device)
-    use_step(model, step)  # which decoding steps (usd/static_cache.py): transformers' cache, static, compiled
-    ctx = open_context(model, torch.randint(cfg.vocab_size, (context,)).tolist())
-    ctx.forward(keep=1)  # prefill
-    timed(ctx, 1, 3)  # warm-up: kernels, allocator
-    out = {
-        "precision": precision,
-        "step": step,
-        "params": sum(p.numel() for p in model.parameters()),
-        "step_s": timed(ctx, 1, reps),
-        "verify_s": {str(k): timed(ctx, k + 1, reps) for k in range(1, k_max + 1)},
-    }
-    del ctx, model
+    out = {}
+    for step in steps:
+        use_step(model, step)  # which decoding steps (usd/static_cache.py): transformers' cache, static, compiled
+        ctx = open_context(model, torch.randint(cfg.vocab_size, (context,)).tolist())
+        ctx.forward(keep=1)  # prefill
+        timed(ctx, 1, 3)  # warm-up: kernels, allocator, a compile
+        out[step] = {
+            "precision": precision,
+            "step": step,
+            "params": sum(p.numel() for p in model.parameters()),
+            "step_s": timed(ctx, 1, reps),
+            "verify_s": {str(k): timed(ctx, k + 1, reps) for k in range(1, k_max + 1)},
+        }
+        del ctx
+    del model
     if device == "cuda":
         torch.cuda.empty_cache()
     return out
@@ -143,10 +147,12 @@ def main(argv=None) -> int:
         "models": {},
     }
     for spec in args.model:
-        for step in args.steps.split(","):
-            name = spec.partition("@")[0]
-            entry = profile_model(spec, args.device, args.context, args.k_max, args.reps, args.tiny, step)
-            key = Path(name).stem if name.endswith(".json") else name
+        name = spec.partition("@")[0]
+        key = Path(name).stem if name.endswith(".json") else name
+        per_step = profile_model(
+            spec, args.device, args.context, args.k_max, args.reps, args.tiny, args.steps.split(",")
+        )
+        for step, entry in per_step.items():
             suffix = "" if step == "dynamic" else f"#{step}"  # transformers' cache keeps the key `usd project` reads
             profile["models"][f"{key}@{entry['precision']}{suffix}"] = entry
             print(
