@@ -59,6 +59,27 @@ def one_thread():
     torch.set_num_threads(before)
 
 
+@pytest.fixture
+def auto_switching(monkeypatch):
+    """auto as the distribution tests need it: unseeded (so it may switch to tli, whose draws depend on where rounds
+    are cut) and switching between its modes in a seeded random order. Its real choice follows this machine's timings:
+    where speculation loses it rarely probes, so a test of what switching does to the distribution would see too few
+    drafted tokens to tell (the cost model has its own tests in test_schedule.py)."""
+    import random
+
+    import usd.decoder
+
+    real = usd.decoder.Schedule
+    order = random.Random(0)
+
+    def switching(*args, **kwargs):
+        schedule = real(*args, **{**kwargs, "seeded_sampling": False})
+        schedule._choose = lambda: order.choice(schedule.modes)
+        return schedule
+
+    monkeypatch.setattr(usd.decoder, "Schedule", switching)
+
+
 @pytest.fixture(scope="session")
 def catalog():
     return load_catalog()

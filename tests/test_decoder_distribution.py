@@ -15,7 +15,6 @@ import torch
 from scipy.stats import chisquare
 from tiny_pairs import tiny_pair
 
-import usd.decoder
 from usd.decoder import stream
 from usd.pair import Pair
 from usd.sampling import SamplingParams, probabilities
@@ -97,13 +96,12 @@ def pairs(real_tokenizers):
         ("smol+gemma", "slem", 3),
     ],
 )
-def test_first_two_tokens_distributed_as_plain_sampling(pairs, key, algorithm, k, monkeypatch):
+def test_first_two_tokens_distributed_as_plain_sampling(pairs, key, algorithm, k, request):
     pair, ids, dids = pairs[key]
     if algorithm == "auto":
         # Seeded, auto keeps to plain and slem (whose answer the seed fixes). Unseeded it also switches to tli, and
         # that is the case to prove: seeds here only make the test repeatable.
-        real = usd.decoder.Schedule
-        monkeypatch.setattr(usd.decoder, "Schedule", lambda *a, **kw: real(*a, **{**kw, "seeded_sampling": False}))
+        request.getfixturevalue("auto_switching")
     joint = exact_joint(pair.target, ids, SamplingParams(temperature=1.0, top_k=4))
     counts, alpha = run(pair, ids, dids, algorithm, k)
     assert 0.02 < alpha < 0.98, f"acceptance {alpha:.2f}: the test must exercise both accept and reject paths"

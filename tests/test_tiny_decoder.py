@@ -250,11 +250,10 @@ def p_value(counts, joint) -> float:
         ("byte-level", "none"),
     ],
 )
-def test_first_two_tokens_distributed_as_plain_sampling(sampling_pairs, key, algorithm, monkeypatch):
+def test_first_two_tokens_distributed_as_plain_sampling(sampling_pairs, key, algorithm, request):
     pair = sampling_pairs[key]
-    if algorithm == "auto":  # unseeded, auto switches between plain, tli and slem; the seeds only make it repeatable
-        real = usd.decoder.Schedule
-        monkeypatch.setattr(usd.decoder, "Schedule", lambda *a, **kw: real(*a, **{**kw, "seeded_sampling": False}))
+    if algorithm == "auto":  # switching between plain, tli and slem; the seeds only make it repeatable
+        request.getfixturevalue("auto_switching")
     joint = exact_joint(pair.target, pair.target_tokenizer.encode(PROMPT))
     counts, alpha = sample_two(pair, algorithm)
     if algorithm != "none":
