@@ -101,16 +101,18 @@ def profile_model(spec: str, device: str, context: int, k_max: int, reps: int, t
     precision = precision or ("bf16" if device == "cuda" else "fp32")
     cfg = config_for(name, tiny)
     model = build(cfg, precision, device)
+    params = sum(p.numel() for p in model.parameters())
+    prompt = torch.randint(cfg.vocab_size, (context,)).tolist()  # the same context for every kind
     out = {}
     for step in steps:
         use_step(model, step)  # which decoding steps (usd/static_cache.py): transformers' cache, static, compiled
-        ctx = open_context(model, torch.randint(cfg.vocab_size, (context,)).tolist())
+        ctx = open_context(model, prompt)
         ctx.forward(keep=1)  # prefill
         timed(ctx, 1, 3)  # warm-up: kernels, allocator, a compile
         out[step] = {
             "precision": precision,
             "step": step,
-            "params": sum(p.numel() for p in model.parameters()),
+            "params": params,
             "step_s": timed(ctx, 1, reps),
             "verify_s": {str(k): timed(ctx, k + 1, reps) for k in range(1, k_max + 1)},
         }
