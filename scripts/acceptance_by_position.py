@@ -5,7 +5,8 @@ the tokens a round emitted with what each model, fitted on some of the rounds, e
 - pooled (what `schedule.CostModel` uses): tau(alpha, k), alpha over every tested position;
 - first/then: 1 + a tau(b, k - 1), a the first candidate's acceptance and b each later one's once all before it were.
 
-    PYTHONPATH=. python scripts/acceptance_by_position.py --precision gguf --limit 6 --json docs/bench/positions.json
+    PYTHONPATH=. python scripts/acceptance_by_position.py --precision gguf --limit 6 \\
+        --json docs/bench/positions-gguf.json
 
 Fits: on every k, on k <= 2 (where a schedule that started short would learn) and on k = K_START (auto's first tries).
 Only acceptance matters here, so the runner's speed does not; greedy, so the rounds are the same on every run.
@@ -20,7 +21,7 @@ from pathlib import Path
 import usd
 from usd.datasets import load_prompts
 from usd.events import Round
-from usd.schedule import K_MAX, K_START, tau
+from usd.schedule import K_MAX, K_START, tau, tested_positions
 
 
 def record(pair, prompts, algorithm: str, max_new_tokens: int) -> list[dict]:
@@ -43,18 +44,15 @@ def record(pair, prompts, algorithm: str, max_new_tokens: int) -> list[dict]:
     return rounds
 
 
-def tested(r: dict) -> list[bool]:
-    """The verdict on each tested candidate: those after the first rejection were never tested."""
-    return [i < r["accepted"] for i in range(r["accepted"] + (r["accepted"] < r["drafted"]))]
-
-
 def by_position(rounds: list[dict]) -> list[tuple[int, int]]:
     """(accepted, tested) at each draft position."""
     counts: list[list[int]] = []
     for r in rounds:
-        for i, hit in enumerate(tested(r)):
-            counts += [[0, 0]] * (i + 1 - len(counts))
-            counts[i] = [counts[i][0] + hit, counts[i][1] + 1]
+        for i in range(tested_positions(r["accepted"], r["drafted"])):
+            if i == len(counts):
+                counts.append([0, 0])
+            counts[i][0] += i < r["accepted"]
+            counts[i][1] += 1
     return [(a, t) for a, t in counts]
 
 

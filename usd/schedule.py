@@ -54,6 +54,12 @@ def tau(alpha: float, k: int) -> float:
     return k + 1.0 if alpha >= 1.0 else (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
 
 
+def tested_positions(accepted: int, drafted: int) -> int:
+    """The candidates of a round the verifier tested: all that were accepted, and the first rejected one if any (the
+    ones after it were never tested)."""
+    return accepted + (1 if accepted < drafted else 0)
+
+
 class Mean:
     """A decayed running mean kept as [sum, weight] in a JSON-friendly list (it lives in pair.memory)."""
 
@@ -100,9 +106,7 @@ class CostModel:
             for _ in range(draft_steps):
                 Mean.add(m["draft"], draft_s / draft_steps)
         if drafted:
-            # acceptance as the verifier saw it: the candidates after the first rejection were never tested
-            tested = accepted + (1 if accepted < drafted else 0)
-            for i in range(tested):
+            for i in range(tested_positions(accepted, drafted)):  # acceptance as the verifier saw it
                 Mean.add(m["hits"], 1.0 if i < accepted else 0.0, ALPHA_DECAY)
 
     def rounds(self, mode: str) -> int:

@@ -43,7 +43,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from .datasets import Prompt
-from .schedule import K_MAX, tau
+from .schedule import K_MAX, tau, tested_positions
 
 if TYPE_CHECKING:
     from .catalog import Precision
@@ -497,17 +497,12 @@ USE = "use"
 section, "used", held [accepted, drafted], which is not the per-position alpha at k > 1: it is not read.)"""
 
 
-def tested_positions(accepted: int, drafted: int) -> int:
-    """The candidates of a round the verifier tested: all that were accepted, and the first rejected one if any."""
-    return accepted + (1 if accepted < drafted else 0)
-
-
 def record_acceptance(
     target: str, drafter: str, algorithm: str, accepted: int, tested: int, sampled: bool = False
 ) -> None:
-    """Add a generation's accepted and tested positions (`tested_positions`, summed over its rounds) to what the pair
-    has shown in use (greedy and sampled kept apart: the ranking's alpha is greedy's). Never raises: a read-only cache
-    only means nothing is remembered."""
+    """Add a generation's accepted and tested positions (`schedule.tested_positions`, summed over its rounds) to what
+    the pair has shown in use (greedy and sampled kept apart: the ranking's alpha is greedy's). Never raises: a
+    read-only cache only means nothing is remembered."""
     if not (target and drafter and tested > 0) or algorithm not in ALGORITHMS or not recording_on():
         return
     key = f"{algorithm}@sampled" if sampled else algorithm
