@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from .recurrent import RecurrentStates, is_recurrent
 from .vocab import TokenizerBytes, align, same_vocabulary, tokenizer_bytes
 
 
@@ -55,12 +56,15 @@ class Context:
 
         cache = DynamicCache(config=self.model.config)
         # Sliding-window layers (Gemma 3: 512 tokens) drop states that leave the window as they go; recording keeps
-        # them until the next crop, so a rejected draft can be rolled back.
+        # them until the next crop, so a rejected draft can be rolled back. Recurrent layers cannot be cropped at all:
+        # their states are snapshot instead (usd/recurrent.py).
         self.sliding = False
         for layer in cache.layers:
-            if hasattr(layer, "activate_past_recording"):
+            if hasattr(layer, "activate_past_recording") and not is_recurrent(layer):
                 layer.activate_past_recording()
                 self.sliding = True
+        recurrent = RecurrentStates(cache)
+        self.recurrent = recurrent if recurrent.layers else None
         return cache
 
     def truncate(self, n: int) -> None:
@@ -73,11 +77,19 @@ class Context:
         if self.sliding and drop > self.fed_since_crop:
             # A sliding-window layer kept only what was fed since its last crop: anything older is gone, so start
             # the cache again (rare: the drafter's resync never reaches behind the previous round).
-            self.cache, self.cached = self._new_cache(), 0
+            self._start_again()
+        elif self.recurrent is not None:
+            if self.recurrent.roll_back(self.cached - drop, drop):
+                self.cached -= drop
+            else:
+                self._start_again()
         else:
             self.cache.crop(-drop)  # transformers 5: a negative count of tokens to drop
             self.cached -= drop
         self.fed_since_crop = 0
+
+    def _start_again(self) -> None:
+        self.cache, self.cached = self._new_cache(), 0
 
     @torch.inference_mode()
     def forward(self, keep: int = 0) -> torch.Tensor:
@@ -92,13 +104,25 @@ class Context:
             self._rollback(1)
         t0 = time.perf_counter()
         fresh = torch.tensor([self.ids[self.cached :]], device=self.model.device)
-        out = self._run(fresh, keep - (held is not None))
+        want = keep - (held is not None)
+        out = self._run(fresh, want) if self.recurrent is None or self.cached == 0 else self._steps(fresh, want)
         self.fed_since_crop += len(self.ids) - self.cached
         self.cached = len(self.ids)
         logits = out[0].float().cpu()  # waits for the device, so the time below is the forward's
         self.forward_s += time.perf_counter() - t0
         self.last.keep(logits, len(self.ids))
         return torch.cat([held[None], logits]) if held is not None else logits
+
+    def _steps(self, fresh: torch.Tensor, keep: int) -> torch.Tensor:
+        """`fresh` fed a token per forward, as plain decoding feeds a model with recurrent layers (usd/recurrent.py),
+        each after a snapshot of the states before it; the logits of the last `keep` (0: all)."""
+        assert self.recurrent is not None
+        rows = []
+        for j in range(fresh.shape[1]):
+            self.recurrent.take(self.cached + j)
+            rows.append(self._run(fresh[:, j : j + 1], 1))
+        out = torch.cat(rows, dim=1)
+        return out[:, -keep:] if keep else out
 
     def _run(self, fresh: torch.Tensor, keep: int) -> torch.Tensor:
         """One forward of the model over `fresh` ([1, n] ids) on this context's cache: the logits of its last `keep`

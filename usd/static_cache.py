@@ -58,16 +58,18 @@ class CachePool:
     def take(self, positions: int):
         from transformers import StaticCache
 
+        size = positions_for(positions)
         with self.lock:
-            fits = [c for c in self.free if size_of(c) >= positions]
-            if fits:
-                cache = min(fits, key=size_of)
+            # exactly the size `positions` calls for, never a larger one that happens to be free: attention runs over
+            # the whole cache, so its length (and the logits' rounding) must not depend on the pool's state
+            cache = next((c for c in self.free if size_of(c) == size), None)
+            if cache is not None:
                 self.free.remove(cache)
                 with torch.inference_mode():  # its length was made there
                     for layer in cache.layers:
                         layer.cumulative_length.zero_()
                 return cache
-        return StaticCache(config=self.config, max_cache_len=positions_for(positions))
+        return StaticCache(config=self.config, max_cache_len=size)
 
     def give(self, cache) -> None:
         with self.lock:
@@ -88,7 +90,8 @@ class StaticContext(Context):
         super().__init__(model, ids)
 
     def _new_cache(self, positions: int = MIN_POSITIONS):
-        self.sliding = False  # static caches are only used for models without sliding-window layers (`supports`)
+        self.sliding = False  # static caches are only used for plain attention layers (`supports`)
+        self.recurrent = None
         cache = self.pool.take(positions)
         self._give_back = weakref.finalize(self, self.pool.give, cache)
         return cache
