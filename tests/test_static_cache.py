@@ -98,16 +98,36 @@ def test_every_algorithm_equals_plain_greedy_on_static_caches(pairs_by_kind, kin
             assert done.stats.drafted > 0
 
 
+@pytest.fixture(scope="module")
+def sampling_pair():
+    return build_pairs(10.0)["byte-level"]
+
+
+@pytest.mark.parametrize("kind", ["static", "compiled"])
 @pytest.mark.parametrize("algorithm", ["tli", "slem"])
-def test_sampling_on_static_caches_is_distributed_as_plain_sampling(algorithm):
-    pair = build_pairs(10.0)["byte-level"]
+def test_sampling_on_static_caches_is_distributed_as_plain_sampling(sampling_pair, algorithm, kind):
+    pair = sampling_pair
+    use_step(pair.target, "dynamic")
     joint = exact_joint(pair.target, pair.target_tokenizer.encode(PROMPT))
-    use_step(pair.target, "static")
-    use_step(pair.drafter, "static")
+    use_step(pair.target, kind)
+    use_step(pair.drafter, kind)
     counts, alpha = sample_two(pair, algorithm)
     assert 0.02 < alpha < 0.98
     p = p_value(counts, joint)
-    assert p > ALPHA, f"{algorithm}: p = {p:.1e}, observed {counts}"
+    assert p > ALPHA, f"{algorithm} ({kind}): p = {p:.1e}, observed {counts}"
+
+
+def test_the_pool_hands_out_a_cache_of_exactly_the_size_asked_for(model):
+    """Never a larger free one: attention runs over the whole static cache, so its size must depend on the positions
+    alone, not on which caches earlier contexts gave back."""
+    pool = static_cache.CachePool(model.config)
+    big = pool.take(3 * MIN_POSITIONS)
+    pool.give(big)
+    small = pool.take(10)
+    assert small is not big and size_of(small) == MIN_POSITIONS
+    pool.give(small)
+    assert pool.take(MIN_POSITIONS + 1) is not big
+    assert pool.take(4 * MIN_POSITIONS) is big
 
 
 def test_the_fastest_kind_is_chosen_only_beyond_the_margin():

@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import codecs
 
+import numpy as np
 import pytest
+import reference_sampling as reference
 import tiny_tokenizers as tiny
 import torch
 from scipy.stats import chisquare
@@ -25,7 +27,7 @@ import usd.decoder
 from usd.decoder import stream
 from usd.events import Finished, Round
 from usd.pair import Pair, bytes_of
-from usd.sampling import SamplingParams, probabilities, sample, uniform
+from usd.sampling import SamplingParams, sample, uniform
 
 PROMPTS = [
     "def fibonacci(n):",
@@ -47,12 +49,12 @@ ALGORITHMS = {
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-def build_pairs(sharpness: float) -> dict[str, Pair]:
+def build_pairs(sharpness: float, attention: float = 0.05) -> dict[str, Pair]:
     t = tiny.target()
     drafters = {"byte-level": tiny.drafter_byte_level(), "sentencepiece": tiny.drafter_sentencepiece(), "same": t}
     out = {}
     for key, d in drafters.items():
-        target, drafter = tiny_pair(t, d, seed=0, sharpness=sharpness)
+        target, drafter = tiny_pair(t, d, seed=0, sharpness=sharpness, attention=attention)
         for m in (target, drafter):  # generate() stops at the tokenizer's eos, as a real checkpoint's config says
             m.generation_config.eos_token_id = m.config.eos_token_id
             m.generation_config.pad_token_id = m.config.eos_token_id
@@ -62,8 +64,9 @@ def build_pairs(sharpness: float) -> dict[str, Pair]:
 
 @pytest.fixture(scope="module")
 def pairs():
-    """Peaked models (tiny_pair's default sharpness): wide margins between the best two tokens, as greedy needs."""
-    return build_pairs(60.0)
+    """Peaked models (tiny_pair's default sharpness): wide margins between the best two tokens, as greedy needs; with
+    attention at full strength, so that a wrong row in a cache changes the answer (`test_a_stale_row_...`)."""
+    return build_pairs(60.0, attention=1.0)
 
 
 @pytest.fixture(scope="module")
@@ -125,6 +128,31 @@ def test_every_algorithm_equals_plain_greedy(pairs, key, prompt):
             if algorithm != "auto":
                 assert all(r.algorithm in ("none", algorithm) for r in rounds)
                 assert done.stats.drafted > 0, f"{what}: nothing was drafted"
+
+
+def test_a_stale_row_left_by_a_rollback_fails_the_identity_check(pairs, monkeypatch):
+    """The power of the identity test above: a rollback that leaves the last rejected draft's row in the cache (the
+    ids cut back, the cache one row short of it) must change some answer."""
+    from usd.pair import Context
+
+    def one_row_short(self, drop):
+        if drop > 1:
+            self.cache.crop(1 - drop)
+        self.cached -= drop
+        self.fed_since_crop = 0
+
+    plain = {}
+    for key in ALGORITHMS:
+        for prompt in PROMPTS:
+            plain[key, prompt] = run(pairs[key], prompt, algorithm="none", max_new_tokens=MAX_NEW)[1].target_ids
+    monkeypatch.setattr(Context, "_rollback", one_row_short)
+    differ = 0
+    for key in ALGORITHMS:
+        algorithm = "standard" if key == "same" else "tli"
+        for prompt in PROMPTS:
+            _, done = run(pairs[key], prompt, algorithm=algorithm, k=4, max_new_tokens=MAX_NEW, probe_first=False)
+            differ += done.target_ids != plain[key, prompt]
+    assert differ >= 3, f"a stale row changed {differ} of {len(ALGORITHMS) * len(PROMPTS)} answers"
 
 
 @pytest.mark.parametrize(("algorithm", "k"), [("none", None), ("tli", 3)])
@@ -191,25 +219,33 @@ def test_speculation_both_accepts_and_rejects(pairs, key):
 PROMPT = "The capital of France is"
 N = 400  # test_decoder_distribution.py takes 1,000 per case on the real tokenizers
 ALPHA = 1e-4  # false alarms per test
-PARAMS = SamplingParams(temperature=1.0, top_k=4)
+TOP4 = {"temperature": 1.0, "top_k": 4}
+"""The settings of most cases: the first two tokens spread over sixteen cells."""
 
 
-@torch.no_grad()
-def exact_joint(target, ids) -> dict[tuple[int, int], float]:
-    p1 = probabilities(target(torch.tensor([ids])).logits[0, -1], PARAMS)
-    joint = {}
-    for x in p1.nonzero().flatten().tolist():
-        p2 = probabilities(target(torch.tensor([ids + [x]])).logits[0, -1], PARAMS)
-        for y in p2.nonzero().flatten().tolist():
-            joint[(x, y)] = float(p1[x] * p2[y])
-    return joint
+def exact_joint(target, ids, **settings) -> dict[tuple[int, ...], float]:
+    """The target's exact joint distribution of the first two tokens, from tests/reference_sampling.py (numpy, not
+    usd.sampling: a bug there must not be in the reference too)."""
+
+    @torch.no_grad()
+    def next_logits(prefix):
+        return target(torch.tensor([prefix])).logits[0, -1].float().numpy()
+
+    eos = frozenset([target.config.eos_token_id])
+    return reference.exact_joint(next_logits, ids, eos, **(settings or TOP4))
 
 
-def sample_two(pair, algorithm, k=3) -> tuple[dict, float]:
+def check_fails(counts, joint) -> bool:
+    """Whether the goodness-of-fit check rejects `counts`: outputs the target cannot produce, or a p-value below
+    ALPHA (the power tests below)."""
+    return not set(counts) <= set(joint) or p_value(counts, joint) < ALPHA
+
+
+def sample_two(pair, algorithm, k=3, seeds=range(N), **settings) -> tuple[dict, float]:
     ids, dids = pair.target_tokenizer.encode(PROMPT), pair.drafter_tokenizer.encode(PROMPT)
     counts, drafted, accepted = {}, 0, 0
-    for seed in range(N):
-        params = SamplingParams(temperature=1.0, top_k=4, seed=seed)
+    for seed in seeds:
+        params = SamplingParams(**(settings or TOP4), seed=seed)
         *_, done = stream(pair, ids, dids, algorithm=algorithm, k=k, params=params, max_new_tokens=2, probe_first=False)
         counts[done.target_ids] = counts.get(done.target_ids, 0) + 1
         drafted += done.stats.drafted
@@ -221,9 +257,10 @@ def p_value(counts, joint) -> float:
     """Chi-square goodness of fit; cells expected fewer than 5 times are pooled. Outputs the target cannot produce
     fail at once."""
     assert set(counts) <= set(joint), f"outputs the target cannot produce: {set(counts) - set(joint)}"
+    n = sum(counts.values())
     obs, exp, pool_o, pool_e = [], [], 0, 0.0
     for cell in sorted(joint, key=joint.get, reverse=True):
-        e = joint[cell] * N
+        e = joint[cell] * n
         if e >= 5:
             obs.append(counts.get(cell, 0))
             exp.append(e)
@@ -238,30 +275,171 @@ def p_value(counts, joint) -> float:
     return float(chisquare(obs, exp).pvalue)
 
 
-@pytest.mark.parametrize(
-    ("key", "algorithm"),
-    [
-        ("byte-level", "tli"),
-        ("byte-level", "slem"),
-        ("byte-level", "auto"),
-        ("sentencepiece", "tli"),
-        ("sentencepiece", "slem"),
-        ("same", "standard"),
-        ("byte-level", "none"),
-    ],
-)
-def test_first_two_tokens_distributed_as_plain_sampling(sampling_pairs, key, algorithm, request):
-    pair = sampling_pairs[key]
+CASES = {
+    # the first two tokens at T = 1, top-k 4, three drafts a round
+    "byte-level tli": ("sampling_pairs", "byte-level", "tli", 3, TOP4),
+    "byte-level slem": ("sampling_pairs", "byte-level", "slem", 3, TOP4),
+    "byte-level auto": ("sampling_pairs", "byte-level", "auto", 3, TOP4),
+    "sentencepiece tli": ("sampling_pairs", "sentencepiece", "tli", 3, TOP4),
+    "sentencepiece slem": ("sampling_pairs", "sentencepiece", "slem", 3, TOP4),
+    "same standard": ("sampling_pairs", "same", "standard", 3, TOP4),
+    "byte-level none": ("sampling_pairs", "byte-level", "none", 3, TOP4),
+    # one draft a round: when it is accepted, the second token is the bonus
+    "bonus tli": ("sampling_pairs", "byte-level", "tli", 1, TOP4),
+    "bonus slem": ("sampling_pairs", "byte-level", "slem", 1, TOP4),
+    "bonus standard": ("sampling_pairs", "same", "standard", 1, TOP4),
+    # adaptive draft length (with its confidence stop), top-p, temperatures other than 1
+    "adaptive auto, T 0.7, top-p 0.9": (
+        "confident_pairs",
+        "byte-level",
+        "auto",
+        "auto",
+        {"temperature": 0.7, "top_p": 0.9},
+    ),
+    "adaptive tli, T 1.5, top-k 8, top-p 0.95": (
+        "confident_pairs",
+        "byte-level",
+        "tli",
+        "auto",
+        {"temperature": 1.5, "top_k": 8, "top_p": 0.95},
+    ),
+    "adaptive standard, T 0.8, top-p 0.8": (
+        "confident_pairs",
+        "same",
+        "standard",
+        "auto",
+        {"temperature": 0.8, "top_p": 0.8},
+    ),
+}
+
+
+@pytest.fixture(scope="module")
+def confident_pairs():
+    """Sharper than sampling_pairs: drafters confident enough at the prompt that adaptive k's confidence stop (the
+    drafter's top probability below 0.25) leaves drafts to verify, and still a dozen cells of the first two tokens."""
+    return build_pairs(20.0)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_first_two_tokens_distributed_as_plain_sampling(case, request):
+    fixture, key, algorithm, k, settings = CASES[case]
+    pair = request.getfixturevalue(fixture)[key]
     if algorithm == "auto":  # switching between plain, tli and slem; the seeds only make it repeatable
         request.getfixturevalue("auto_switching")
-    joint = exact_joint(pair.target, pair.target_tokenizer.encode(PROMPT))
-    counts, alpha = sample_two(pair, algorithm)
+    joint = exact_joint(pair.target, pair.target_tokenizer.encode(PROMPT), **settings)
+    counts, alpha = sample_two(pair, algorithm, k, **settings)
     if algorithm != "none":
         assert 0.02 < alpha < 0.98, f"acceptance {alpha:.2f}: both the accept and the reject paths must run"
     p = p_value(counts, joint)
-    assert p > ALPHA, f"{algorithm} on {key}: p = {p:.1e}, observed {counts}"
+    assert p > ALPHA, f"{case}: p = {p:.1e}, observed {counts}"
     if algorithm == "auto":
         assert {"none", "tli", "slem"} <= set(pair.memory["schedule"]["modes"])
+
+
+def test_seeded_auto_mixing_plain_and_slem_is_distributed_as_plain_sampling(confident_pairs, monkeypatch):
+    """Under a seed auto keeps to plain decoding and slem (whose answer the seed fixes, however rounds are cut): the
+    real seeded schedule, switching between the two in a random order, with adaptive k."""
+    import random
+
+    real = usd.decoder.Schedule
+    order = random.Random(1)
+
+    def switching(*args, **kwargs):
+        schedule = real(*args, **kwargs)
+        assert schedule.modes == ["none", "slem"], "a seeded auto mixes plain decoding and slem only"
+        schedule._choose = lambda: order.choice(schedule.modes)
+        return schedule
+
+    monkeypatch.setattr(usd.decoder, "Schedule", switching)
+    pair = confident_pairs["byte-level"]
+    joint = exact_joint(pair.target, pair.target_tokenizer.encode(PROMPT))
+    counts, alpha = sample_two(pair, "auto", "auto")
+    assert 0.02 < alpha < 0.98
+    assert p_value(counts, joint) > ALPHA
+
+
+@pytest.fixture(scope="module")
+def duplicate_spellings():
+    """The SentencePiece pair, with six tokens that the drafter spells twice (as a piece and as its byte-fallback
+    <0xNN>, both in the shared vocabulary, so both map to one target id) made the most likely at the prompt: the
+    target's LM-head rows of its six likeliest tokens copied to them, and to both spellings in the drafter. Under tli
+    their proposal probability is the sum of both spellings', which a rule taking one spelling's would halve."""
+    pair = build_pairs(20.0)["sentencepiece"]
+    d_ids, t_ids, _ = pair.intersection()
+    spellings: dict[int, list[int]] = {}
+    for d, t in zip(d_ids.tolist(), t_ids.tolist(), strict=True):
+        spellings.setdefault(t, []).append(d)
+    twice = sorted(t for t, ds in spellings.items() if len(ds) > 1)[:6]
+    with torch.no_grad():
+        logits = pair.target(torch.tensor([pair.target_tokenizer.encode(PROMPT)])).logits[0, -1]
+        likeliest = [t for t in logits.argsort(descending=True).tolist() if t not in twice][: len(twice)]
+        target_rows, drafter_rows = pair.target.lm_head.weight, pair.drafter.lm_head.weight
+        for t, row in zip(twice, likeliest, strict=True):
+            target_rows[t] = target_rows[row]
+            for d in spellings[t]:
+                drafter_rows[d] = target_rows[t]
+    return pair, twice
+
+
+def test_draft_tokens_proposes_the_summed_probability_of_every_spelling(duplicate_spellings):
+    """q over target ids, built by draft_tokens, against the drafter's own distribution over its ids: each target
+    id gets the sum over the drafter ids that spell it."""
+    from usd.drafters import draft_tokens
+    from usd.pair import Context
+
+    pair, twice = duplicate_spellings
+    params = SamplingParams(temperature=1.0, seed=0)
+    dids = pair.drafter_tokenizer.encode(PROMPT)
+    draft = draft_tokens(pair, Context(pair.drafter, dids), 1, params, np.random.default_rng(0), pair.eos_ids())
+    with torch.no_grad():
+        logits = pair.drafter(torch.tensor([dids])).logits[0, -1].numpy()
+    d_ids, t_ids, _ = pair.intersection()
+    q_own = reference.reference_p(logits[d_ids.numpy()])  # the drafter's distribution on the shared vocabulary
+    for t in twice:
+        spelled = (t_ids == t).numpy()
+        assert spelled.sum() > 1 and float(draft.q[0][t]) == pytest.approx(q_own[spelled].sum(), rel=1e-4)
+    assert float(draft.q[0].sum()) == pytest.approx(1.0, rel=1e-4)
+
+
+FULL = {"temperature": 1.0}
+"""No top-k: the drafter's second spellings are inside what it samples from."""
+
+
+def first_token_check(pair, **settings) -> tuple[float, bool]:
+    """(acceptance, whether the check rejects) for the first token of N tli generations (k = 1) against the
+    target's exact distribution (its whole vocabulary has mass without top-k: too many cells for two tokens)."""
+    ids, dids = pair.target_tokenizer.encode(PROMPT), pair.drafter_tokenizer.encode(PROMPT)
+    with torch.no_grad():
+        p1 = reference.reference_p(pair.target(torch.tensor([ids])).logits[0, -1].numpy(), **settings)
+    eos = pair.target.config.eos_token_id
+    exact = {((x,) if x != eos else ()): float(p1[x]) for x in np.flatnonzero(p1).tolist()}
+    counts: dict = {}
+    drafted = accepted = 0
+    for seed in range(N):
+        params = SamplingParams(**settings, seed=seed)
+        *_, done = stream(pair, ids, dids, algorithm="tli", k=1, params=params, max_new_tokens=1, probe_first=False)
+        counts[done.target_ids] = counts.get(done.target_ids, 0) + 1
+        drafted, accepted = drafted + done.stats.drafted, accepted + done.stats.accepted
+    return accepted / max(1, drafted), check_fails(counts, exact)
+
+
+def test_tli_with_duplicate_spellings_is_distributed_as_plain_sampling(duplicate_spellings):
+    alpha, fails = first_token_check(duplicate_spellings[0], **FULL)
+    assert 0.02 < alpha < 0.98 and not fails
+
+
+# --- the checks above can fail: each catches a broken rule -------------------------------------------------------
+
+
+def test_the_check_catches_one_spellings_probability_for_the_sum(duplicate_spellings, monkeypatch):
+    """tli's q with each target id given one of its spellings' probability instead of their sum."""
+    import usd.drafters
+
+    def one_spelling(q_shared, t_ids, vocab_t):
+        return torch.zeros(vocab_t).index_copy_(0, t_ids, q_shared)  # the last spelling of a target id wins
+
+    monkeypatch.setattr(usd.drafters, "target_proposal", one_spelling)
+    assert first_token_check(duplicate_spellings[0], **FULL)[1]
 
 
 @pytest.mark.parametrize("key", ["byte-level", "sentencepiece"])
@@ -281,3 +459,22 @@ def test_the_check_catches_resampling_from_p_instead_of_the_residual(sampling_pa
     joint = exact_joint(pair.target, pair.target_tokenizer.encode(PROMPT))
     counts, _ = sample_two(pair, "tli")
     assert set(counts) <= set(joint) and p_value(counts, joint) < ALPHA
+
+
+@pytest.mark.parametrize("algorithm", ["tli", "slem"])
+def test_the_check_catches_a_bonus_that_repeats_the_last_candidate(sampling_pairs, algorithm, monkeypatch):
+    """After a fully accepted draft the bonus is a draw from p past the last candidate; a rule that emitted the last
+    candidate again instead must fail the bonus cases above."""
+    name = {"tli": "rejection_sampling", "slem": "exact_match"}[algorithm]
+    real = getattr(usd.decoder, name)
+
+    def repeat_last(p, *args):
+        accepted, token, kind = real(p, *args)
+        drafted = args[-2]  # both rules take (p, [q,] drafted, generator(s))
+        return (accepted, drafted[-1], kind) if kind == "bonus" and drafted else (accepted, token, kind)
+
+    monkeypatch.setattr(usd.decoder, name, repeat_last)
+    pair = sampling_pairs["byte-level"]
+    joint = exact_joint(pair.target, pair.target_tokenizer.encode(PROMPT))
+    counts, _ = sample_two(pair, algorithm, 1)
+    assert check_fails(counts, joint)

@@ -31,13 +31,22 @@ def tiny_config(tokenizer) -> LlamaConfig:
 
 
 @torch.no_grad()
-def tiny_pair(target_tokenizer, drafter_tokenizer, seed: int = 0, sharpness: float = 60.0, noise: float = 0.15):
+def tiny_pair(
+    target_tokenizer,
+    drafter_tokenizer,
+    seed: int = 0,
+    sharpness: float = 60.0,
+    noise: float = 0.15,
+    attention: float = 0.05,
+):
+    """`attention` scales the attention output. Weak attention (the default) makes the next token depend mostly on the
+    last one (a near-bigram model), so two tokenizations of the same text lead both models to similar distributions,
+    as real models of one language do; but then a cache that holds a wrong row barely changes a logit. At 1.0 the
+    whole context matters, as greedy identity tests need (a stale row must change the answer)."""
     torch.manual_seed(seed)
     target = LlamaForCausalLM(tiny_config(target_tokenizer)).eval()
-    # Weak attention makes the next token depend mostly on the last one (a near-bigram model), so two tokenizations
-    # of the same text lead both models to similar distributions, as real models of one language do.
     for layer in target.model.layers:
-        layer.self_attn.o_proj.weight.mul_(0.05)
+        layer.self_attn.o_proj.weight.mul_(attention)
     drafter = LlamaForCausalLM(tiny_config(drafter_tokenizer)).eval()
     drafter.model.layers.load_state_dict(target.model.layers.state_dict())
     drafter.model.norm.load_state_dict(target.model.norm.state_dict())

@@ -59,13 +59,19 @@ def draft_tokens(
         d, t = int(d_ids[j]), int(t_ids[j])
         drafter.ids.append(d)
         if not params.greedy:
-            # q over target ids: several drafter ids may spell the same target token; their mass adds up
-            out.q.append(torch.zeros(vocab_t).index_add_(0, t_ids, q_i))
+            out.q.append(target_proposal(q_i, t_ids, vocab_t))
         out.candidates.append(t)
         out.drafter_ids.append((d,))
         if t in eos:
             break
     return out
+
+
+def target_proposal(q_shared: torch.Tensor, t_ids: torch.Tensor, vocab_t: int) -> torch.Tensor:
+    """q over the target's ids from q over the shared vocabulary (index j: drafter id d_ids[j], target id t_ids[j]):
+    several drafter ids may spell one target token (a piece and its byte-fallback spelling), and their mass adds up.
+    Taking one spelling's alone would bias the output (docs/design.md §5, tli)."""
+    return torch.zeros(vocab_t).index_add_(0, t_ids, q_shared)
 
 
 def draft_strings(pair: Pair, drafter: Context, k: int, eos: set[int], min_confidence: float = 0.0) -> Draft:
