@@ -28,7 +28,7 @@ def timings(model: llamacpp.LlamaCppModel, ids: list[int]) -> tuple[float, float
     """(prefill seconds, decode tokens/s) from an empty cache."""
     model.forget()
     t0 = time.perf_counter()
-    model.feed(ids, 1, model.batching.prompt_kernels([], len(ids)))  # as the runner reads a prompt
+    model.feed(ids, 1, model.batching.prompt_kernels(len(ids)))  # as the runner reads a prompt
     prefill = time.perf_counter() - t0
     token = ids[-1]
     t0 = time.perf_counter()

@@ -9,10 +9,12 @@ Skipped only when llama-cpp-python is not installed (`./dev.sh setup` builds it;
 
 from __future__ import annotations
 
+import itertools
 import os
 
 import numpy as np
 import pytest
+import reference_sampling as reference
 import test_decoder_distribution
 import torch
 
@@ -20,7 +22,7 @@ from usd import api, llamacpp
 from usd.decoder import stream
 from usd.loading import LoadError, load_model
 from usd.pair import Pair, model_vocab_size
-from usd.sampling import SamplingParams, probabilities
+from usd.sampling import SamplingParams
 
 QWEN, SMOL = "qwen2.5-coder-0.5b-instruct", "smollm2-135m-instruct"
 FUNC = 'def add_{i}(x):\n    """Return x plus {i}."""\n    return x + {i}\n\n\n'
@@ -60,12 +62,13 @@ def pair_of(target, drafter) -> Pair:
 
 
 @pytest.mark.parametrize("name", [QWEN, SMOL])
-@pytest.mark.parametrize("prompt", [PROMPTS[0], LONG], ids=["short", "long"])
+@pytest.mark.parametrize("prompt", [FUNC.format(i=7), LONG], ids=["short", "long"])
 @pytest.mark.real_models
 @needs_llama
 def test_a_position_has_the_same_logits_alone_and_in_a_batch(gguf, name, prompt):
     model, tok = gguf[name]
     ids = tok.encode(prompt)
+    assert len(ids) >= 18, "a verify of 17 positions after at least one"
     # past 512 positions the single-row attention kernel changes; the longest verify (17 tokens) covers it there
     for k in (1, 4, 8, 16) if prompt != LONG else (16,):
         gap = llamacpp.batch_invariance(model, ids, k)
@@ -158,13 +161,9 @@ def test_first_two_tokens_distributed_as_plain_sampling_on_llama_cpp(gguf, monke
     pair = pair_of(gguf[QWEN], gguf[SMOL])
     prompt = "def add(a, b):\n    return"
     ids, dids = pair.target_tokenizer.encode(prompt), pair.drafter_tokenizer.encode(prompt)
-    params = SamplingParams(temperature=1.0, top_k=4)
     target = pair.target
-    p1 = probabilities(target.new_context(ids).forward(keep=1)[-1], params)
-    joint = {}
-    for x in p1.nonzero().flatten().tolist():
-        p2 = probabilities(target.new_context([*ids, x]).forward(keep=1)[-1], params)
-        joint.update({(x, y): float(p1[x] * p2[y]) for y in p2.nonzero().flatten().tolist()})
+    eos = frozenset(pair.eos_ids())
+    joint = reference.exact_joint(lambda p: _next_logits(target, p)[-1].numpy(), ids, eos, temperature=1.0, top_k=4)
     counts, drafted, accepted = {}, 0, 0
     for seed in range(N):
         p = SamplingParams(temperature=1.0, top_k=4, seed=seed)
@@ -182,24 +181,31 @@ def test_first_two_tokens_distributed_as_plain_sampling_on_llama_cpp(gguf, monke
 @pytest.mark.real_models
 @needs_llama
 def test_a_cache_rolled_back_through_many_rejections_equals_a_fresh_evaluation(gguf):
+    """The target's own context after a generation that rolled back many rejected drafts goes on with the logits a
+    context that was only ever fed plain steps computes."""
+    from usd.decoder import Generation
+
     pair = pair_of(gguf[QWEN], gguf[SMOL])
     model = pair.target
-    ids = pair.target_tokenizer.encode(PROMPTS[3])
+    ids, dids = pair.target_tokenizer.encode(PROMPTS[3]), pair.drafter_tokenizer.encode(PROMPTS[3])
     params = SamplingParams(temperature=1.0, seed=3)  # sampling from the full distribution: drafts are often rejected
-    *_, done = stream(
-        pair, ids, pair.drafter_tokenizer.encode(PROMPTS[3]), algorithm="tli", k=8, params=params, max_new_tokens=96
-    )
-    assert done.stats.drafted - done.stats.accepted >= 20, "too few rejections to test rollback"
-    # what the target's cache holds now, after every crop (past it, the last round's rejected draft: crops are lazy)
-    held, answer = [], ids + list(done.target_ids)
-    while len(held) < min(len(model.kv), len(answer)) and model.kv[len(held)] == answer[len(held)]:
-        held.append(answer[len(held)])
-    assert len(held) >= len(ids) + 40
-    extra = pair.target_tokenizer.encode("\n# done")
-    rolled = model.new_context(held + extra).forward(keep=len(extra) + 1)  # reuses the cache, feeds only `extra`
-    model.keep_first(0)
-    # everything again from an empty cache, each position on the kernels the generation computed it with
-    fresh = model.new_context(held + extra).forward(keep=len(extra) + 1)
+    gen = Generation(pair, ids, dids, "tli", 8, params, 96, (), probe_first=True)
+    while gen.answer.stop_reason is None:
+        gen.step()
+    assert gen.tally.drafted - gen.tally.accepted >= 20, "too few rejections to test rollback"
+    answer, extra = list(gen.answer.ids), pair.target_tokenizer.encode("\n# done")
+    assert len(answer) >= 40
+    gen.target.truncate(len(ids) + len(answer))
+    gen.target.ids.extend(extra)
+    rolled = gen.target.forward(keep=len(extra) + 1)  # feeds the last answer token and `extra`
+    model.forget()
+    plain = model.new_context(ids)
+    plain.forward(keep=1)
+    for t in answer[:-1]:  # as plain decoding fed the answer: a token at a time
+        plain.ids.append(t)
+        plain.forward(keep=1)
+    plain.ids.extend([answer[-1], *extra])
+    fresh = plain.forward(keep=len(extra) + 1)
     assert torch.equal(rolled, fresh), f"max difference {float((rolled - fresh).abs().max()):.3g}"
 
 
@@ -214,8 +220,8 @@ def _next_logits(model, ids):
 @needs_llama
 def test_a_prompt_gets_the_same_logits_whatever_the_cache_held(gguf):
     """A prompt is read in one prefill run, its last token included, however much of it the cache held and on which
-    kernels: a prompt sharing a prefix with it, one it goes on from, a longer one, an unrelated one,
-    nothing. (A conversation it continues is the exception: its answer's positions keep their kernels, next test.)"""
+    kernels: a prompt sharing a prefix with it, one it goes on from, a longer one, an unrelated one, nothing (and a
+    conversation it continues: next test)."""
     model, tok = gguf[QWEN]
     ids = tok.encode(LONG)[:120]
     model.forget()
@@ -275,9 +281,10 @@ def test_a_prompt_and_the_steps_after_it_are_what_llama_cpps_own_generate_comput
 
 @pytest.mark.real_models
 @needs_llama
-def test_a_conversation_displaced_from_the_cache_gets_its_positions_bits_back(gguf):
-    """A chat's next turn after another conversation took the cache (a server slot's, say) re-feeds the first turn's
-    answer on the row kernels it was generated with, so it gets what it would have got undisturbed."""
+def test_a_chats_next_turn_gets_the_same_bits_undisturbed_displaced_or_from_nothing(gguf):
+    """A chat's next turn reads the whole conversation as its prompt: the first turn's answer, generated on the row
+    kernels, is read again on the prefill kernels, so the turn gets the same bits whether its first turn is still in
+    the cache, another conversation took the cache (a server slot's, say), or the cache was emptied."""
     model, tok = gguf[QWEN]
     ctx = model.new_context(tok.encode(LONG)[:100])
     for _ in range(24):  # a first answer, a token at a time
@@ -286,11 +293,17 @@ def test_a_conversation_displaced_from_the_cache_gets_its_positions_bits_back(gg
     undisturbed = _next_logits(model, turn2)
     _next_logits(model, tok.encode(PROMPTS[1]))  # another conversation takes the cache
     model.keep_first(0)
-    displaced = _next_logits(model, turn2)
-    assert torch.equal(displaced, undisturbed)
-    model.forget()  # what the kernels were is forgotten too: the answer's positions now run on the prefill kernels
-    if os.environ.get("GGML_CPU_TILED_MM", "1") != "0":
-        assert not torch.equal(_next_logits(model, turn2), undisturbed), "the test cannot tell the kernels apart"
+    assert torch.equal(_next_logits(model, turn2), undisturbed), "displaced"
+    model.forget()
+    assert torch.equal(_next_logits(model, turn2), undisturbed), "from an empty cache"
+    if os.environ.get("GGML_CPU_TILED_MM", "1") != "0":  # the answer's positions on the row kernels: other bits
+        model.forget()
+        model.feed(turn2[:100], 0, model.batching.prompt_kernels(100))
+        model.feed(turn2[100:124], 24)
+        tail = turn2[124:]
+        row_read = torch.from_numpy(model.feed(tail, 1, model.batching.prompt_kernels(len(tail)))[-1:])
+        assert not torch.equal(row_read, undisturbed), "the test cannot tell the kernels apart"
+        model.forget()
 
 
 @pytest.mark.real_models
@@ -300,6 +313,46 @@ def test_a_verify_longer_than_a_row_batch_equals_plain_greedy(gguf):
     pair = pair_of(gguf[QWEN], gguf[SMOL])
     assert pair.target.batching.row_batch < 5
     _identity(pair, PROMPTS[0], algorithms=(("tli", 4), ("slem", 8)))
+
+
+# --- the llama_decode calls ----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("repacked", [True, False], ids=["repacked weights", "plain weights"])
+def test_no_llama_decode_call_is_longer_than_the_batch_arrays(repacked):
+    """llama_batch_init sizes its token, position and sequence arrays for N_BATCH tokens: a longer call writes past
+    them. Every prompt length up to the context cap is cut into calls that fit, each large enough for the prefill
+    kernels, covering the prompt once."""
+    batching = llamacpp.Batching.for_weights(repacked)
+    for n in range(llamacpp.PREFILL_MIN_ROWS, llamacpp.N_CTX_CAP + 1):
+        calls = batching.batches(batching.prompt_kernels(n))
+        sizes = [end - start for start, end in calls]
+        assert max(sizes) <= llamacpp.N_BATCH, f"a prompt of {n}: calls of {sizes}"
+        assert min(sizes) >= llamacpp.PREFILL_MIN_ROWS and calls[0][0] == 0 and calls[-1][1] == n, (n, calls)
+        assert all(a[1] == b[0] for a, b in itertools.pairwise(calls)), (n, calls)
+
+
+def test_a_call_that_would_not_fit_is_refused_before_it_reaches_llama_cpp():
+    """The last line of defence: a bug that asks for more than the C arrays hold fails as a bug, not as a write past
+    them."""
+    from usd.errors import InternalError
+
+    cache = object.__new__(llamacpp.LlamaCache)  # no model needed: the check comes before anything is written
+    with pytest.raises(InternalError, match="llama_decode call of 513 tokens"):
+        cache._decode([1] * (llamacpp.N_BATCH + 1), 0, 1)
+
+
+@pytest.mark.real_models
+@needs_llama
+def test_a_prompt_of_1023_tokens_decodes_as_plain_decoding_under_slem(gguf):
+    """1023 tokens: with repacked weights the old cut gave its last call 515 tokens (a write past the C arrays)."""
+    tok = gguf[SMOL][1]
+    ids = tok.encode(LONG * 3)[:1023]
+    assert len(ids) == 1023
+    pair = pair_of(gguf[SMOL], gguf[SMOL])
+    *_, plain = stream(pair, ids, algorithm="none", max_new_tokens=16)
+    *_, done = stream(pair, ids, algorithm="slem", k=4, max_new_tokens=16, probe_first=False)
+    assert done.target_ids == plain.target_ids and done.stats.drafted > 0
 
 
 # --- loading ---------------------------------------------------------------------------------------------------------
@@ -397,7 +450,76 @@ def test_logits_do_not_depend_on_the_thread_count(gguf):
         cache.set_threads(n)
         model.forget()
         outs.append(
-            np.concatenate([model.feed(ids, 1, model.batching.prompt_kernels([], len(ids))), model.feed(ids[:3], 3)])
+            np.concatenate([model.feed(ids, 1, model.batching.prompt_kernels(len(ids))), model.feed(ids[:3], 3)])
         )
     cache.set_threads(model.n_threads)
     assert np.array_equal(outs[0], outs[1])
+
+
+# --- conversations: a turn's bits never depend on an earlier turn's algorithm ---------------------------------------
+
+
+def _accepted_a_drafted_end(rounds) -> bool:
+    """The last round kept a drafted end of sequence: accepted more drafts than it has accepted pieces (an end of
+    sequence is not a piece)."""
+    last = rounds[-1]
+    return last.accepted > sum(p.kind == "accepted" for p in last.pieces)
+
+
+@pytest.mark.real_models
+@needs_llama
+def test_a_chats_second_turn_gets_the_same_bits_whatever_algorithm_ran_the_first(gguf):
+    """One model object as target and drafter (`standard` then accepts every draft, its drafted end of turn too, and
+    the two share one model's caches): turn 2's first-token logits after a speculative turn 1 equal those after a plain
+    turn 1, and those of the same prompt from an empty cache."""
+    from usd.events import Finished
+
+    model, tok = gguf[QWEN]
+    pair = pair_of(gguf[QWEN], gguf[QWEN])
+    turn1 = [{"role": "user", "content": CHATS[1]}]
+    got = {}
+    for algorithm in ("standard", "none", "forgotten"):
+        model.forget()
+        events = list(
+            api.stream(
+                pair,
+                messages=turn1,
+                algorithm=algorithm.replace("forgotten", "none"),
+                draft_tokens=4,
+                max_new_tokens=MAX_NEW,
+            )
+        )
+        done = events[-1]
+        assert isinstance(done, Finished) and done.stats.stop_reason == "eos"
+        if algorithm == "standard":
+            assert _accepted_a_drafted_end(events[:-1]), "the test needs a speculative turn that accepted its end"
+        if algorithm == "forgotten":
+            model.forget()
+        turn2 = [*turn1, {"role": "assistant", "content": done.text}, {"role": "user", "content": "And 23 * 17?"}]
+        ids = tok.apply_chat_template(turn2, tokenize=False, add_generation_prompt=True)
+        got[algorithm] = _next_logits(model, tok.encode(ids, add_special_tokens=False))
+    for algorithm in ("standard", "forgotten"):
+        gap = float((got[algorithm] - got["none"]).abs().max())
+        assert torch.equal(got[algorithm], got["none"]), f"turn 2 after {algorithm}: {gap:.3g} logits apart"
+
+
+@pytest.mark.real_models
+@needs_llama
+def test_a_multi_turn_greedy_chat_is_the_same_under_every_algorithm(gguf):
+    """Three turns, each algorithm running every turn of its own conversation: every turn's answer equals the one
+    plain decoding gives (on one loaded pair, whose caches hold what earlier conversations left)."""
+    pair = pair_of(gguf[QWEN], gguf[SMOL])
+    questions = [CHATS[1], "And 23 * 17? Answer in one sentence.", "Write both products as a Python list."]
+
+    def conversation(algorithm):
+        messages, answers = [], []
+        for q in questions:
+            messages.append({"role": "user", "content": q})
+            done = api.generate(pair, messages=messages, algorithm=algorithm, max_new_tokens=MAX_NEW)
+            answers.append(done.target_ids)
+            messages.append({"role": "assistant", "content": done.text})
+        return answers
+
+    plain = conversation("none")
+    for algorithm in ("tli", "slem", "auto", "none"):
+        assert conversation(algorithm) == plain, f"{algorithm}: a turn differs from plain decoding's"

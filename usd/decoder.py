@@ -280,11 +280,19 @@ class Generation:
         self.rng = Randomness(make_generator(params.seed, DRAFTER_STREAM), base_seed)
         self.tally = Tally(algorithm)
         self.target = open_context(pair.target, prompt_ids)
+        self.prompt_len = len(prompt_ids)
         self.drafter = None
         if algorithm != "none":
             self.drafter = DrafterState(pair, drafter_prompt_ids if drafter_prompt_ids is not None else prompt_ids)
         self.answer = Answer(pair, max_new_tokens, stop_strings)
         _prefill(self.target)
+
+    def finish(self) -> None:
+        """Leave the target's context holding exactly what plain decoding would have fed: the prompt and the answer
+        up to the token before the last one emitted (the end of sequence counts), none of the drafts a speculative
+        round fed past a stop. What a generation leaves behind is then the same whatever algorithm ran it."""
+        emitted = len(self.answer.ids) + (self.answer.stop_reason == "eos")
+        self.target.truncate(self.prompt_len + max(0, emitted - 1))
 
     def stats(self) -> Stats:
         drafter = self.drafter
@@ -394,10 +402,13 @@ def stream(
         raise ValueError("the prompt is empty")
     check_max_new_tokens(max_new_tokens)
     gen = Generation(pair, prompt_ids, drafter_prompt_ids, algo, k, params, max_new_tokens, stop_strings, probe_first)
-    while gen.answer.stop_reason is None:
-        if cancel is not None and cancel.is_set():
-            gen.answer.stop_reason = "cancelled"
-            break
-        yield gen.step()
+    try:
+        while gen.answer.stop_reason is None:
+            if cancel is not None and cancel.is_set():
+                gen.answer.stop_reason = "cancelled"
+                break
+            yield gen.step()
+    finally:  # also when the consumer stops early (a client gone): the context is left as plain decoding leaves it
+        gen.finish()
     text = pair.target_tokenizer.decode(gen.answer.ids, skip_special_tokens=False)
     yield Finished(text=text, target_ids=tuple(gen.answer.ids), stats=gen.stats())

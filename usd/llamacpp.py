@@ -29,23 +29,25 @@ So the runner fixes, once, which kernels compute each position:
     logits choose the first token, kept for round 0: `pair.LastLogits`): whole gemm groups (PREFILL), then the 0-3
     rows left (TAIL: gemv for the repacked matrices, the prefill kernels for the others) in the same batch; so its
     answer's tokens are those llama.cpp's generate gives with the same attention settings
-    (scripts/check_llamacpp_reference.py); a prompt too short for a prefill batch on the row kernels;
+    (scripts/check_llamacpp_reference.py), but for the prompt lengths llama.cpp reads in batches of other kernels
+    (docs/design.md §8); a prompt too short for a prefill batch on the row kernels;
   * everything after it whose logits are read (verified drafts, the target's own tokens, a drafter's steps) on the row
     kernels: a verify longer than a row batch takes several llama_decode calls; what a drafter catches up on without
     reading logits, on the prefill kernels again as far as they reach;
   * a position keeps its kernels for good: each context records them (`LlamaCppContext.kernels`), the cache records
-    what computed what it holds, a context reuses only cached positions its own kernels computed, and a new context
-    (a chat's next turn, a server slot's conversation after another displaced it) takes the kernels of what it shares
-    with the cache or with one of the model's recent contexts (`LlamaCppModel.lineages`), less a prompt's TAIL rows,
-    which a longer prompt reads as part of its own prefill run.
-  So plain decoding and every algorithm compute every position of an answer on the same kernels, and a prompt's
-  logits do not depend on what the cache held before, unless it continues a conversation held there, whose answers'
-  positions keep the row kernels they were generated with (tests/test_llamacpp.py).
+    what computed what it holds, and a context reuses only cached positions its own kernels computed, so a position
+    re-fed after a rollback or a displacement gets its bits again.
+  A prompt's kernels depend on the prompt alone, never on what the cache or an earlier turn held: a chat's next turn
+  reads its whole conversation as one prompt, as it would from an empty cache (reusing the cached positions that
+  prompt computes on the same kernels: the earlier prompt's whole gemm groups), so its bits do not depend on which
+  algorithm ran the turns before, on what they fed past their answers, or on whether the cache still holds them. So
+  plain decoding and every algorithm compute every position of every turn on the same kernels
+  (tests/test_llamacpp.py).
 
 A model has one llama.cpp context (`LlamaCache`, a KV cache), and one more for each generation that runs while all
 the others are busy (the server's slots), up to MAX_CACHES. A forward takes its generation's cache back if it is free,
-else the free one that costs least to reuse: a multi-turn chat re-feeds only the new turn, and a conversation is not
-displaced by another while a cache of its own is to be had.
+else the free one that costs least to reuse, so a conversation is not displaced by another while a cache of its own is
+to be had.
 """
 
 from __future__ import annotations
@@ -58,7 +60,6 @@ import os
 import threading
 import time
 import weakref
-from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -66,6 +67,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from .errors import InternalError
 from .pair import LastLogits
 
 N_CTX_CAP = 8192
@@ -77,19 +79,14 @@ PREFILL_MIN_ROWS = 8
 another order than the row kernels below it; see the module docstring."""
 GEMM_ROWS = 4
 """Repacked weights multiply a batch of 4 rows or more in groups of this many (gemm), the rest row by row (gemv)."""
-ROW, PREFILL, PROMPT_ROW, TAIL = 0, 1, 2, 3
+ROW, PREFILL, TAIL = 0, 1, 2
 """What computes a position (module docstring):
-- ROW: the row kernels (an answer's tokens, drafts, a verify);
+- ROW: the row kernels (an answer's tokens, drafts, a verify; a prompt too short for a prefill batch);
 - PREFILL: the prefill kernels (a prompt, in whole gemm groups with repacked weights);
-- PROMPT_ROW: the row kernels, for a prompt too short for a prefill batch;
 - TAIL: the rows of a prefill batch after its last whole gemm group (repacked weights only; the 0-3 last positions of a
   prompt): gemv for the repacked matrices, the prefill kernels for the others (Q6_K on AVX2)."""
-FAMILY = {ROW: ROW, PROMPT_ROW: ROW, PREFILL: PREFILL, TAIL: TAIL}
-"""The bits each kind gives: PROMPT_ROW's are ROW's (it differs only in that a longer prompt reads it as body)."""
 MAX_CACHES = 4
 """The most llama.cpp contexts (KV caches, n_ctx positions each) a model opens for generations running at once."""
-LINEAGES = 16
-"""How many recent decoding contexts a model remembers the kernels of."""
 N_OUTPUTS = 32
 """Rows of logits one llama_decode call may return (llama.cpp keeps a buffer of this many rows of the vocabulary)."""
 KV_PAD = 256
@@ -227,11 +224,8 @@ class LlamaCppModel:
         self.max_caches = max_caches
         self.n_ctx = self.caches[0].n_ctx
         self.config = GGUFConfig(max_position_embeddings=self.n_ctx, vocab_size=self.n_vocab, n_ctx_train=n_train)
-        self.lineages: deque[LlamaCppContext] = deque(maxlen=LINEAGES)
-        """The latest decoding contexts: a new one takes the kernels of the positions it shares with them (a chat's
-        next turn, a server slot's conversation after another displaced it), so a re-fed position gets its bits."""
         self.lock = threading.Condition(threading.RLock())
-        """Guards which generation uses which cache, and the lineages; a cache's user decodes without it."""
+        """Guards which generation uses which cache; a cache's user decodes without it."""
 
     def __repr__(self) -> str:
         return f"LlamaCppModel({self.path.name}, n_ctx={self.n_ctx}, n_vocab={self.n_vocab}, threads={self.n_threads})"
@@ -281,28 +275,12 @@ class LlamaCppModel:
     # --- the cache -------------------------------------------------------------------------------------------------
 
     def forget(self) -> None:
-        """Empty the caches and forget which kernels computed what: the next context computes everything afresh.
+        """Empty the caches: the next context computes everything afresh, with the bits it would get anyway.
         (Between generations: measurements, `usd bench`.)"""
         with self.lock:
-            self.lineages.clear()
             for cache in self.caches:
                 cache.owner = None
                 cache.keep_first(0)
-
-    def known_kernels(self, ids: list[int]) -> list[int]:
-        """The kernels of the longest prefix of `ids` that a cache or a recent context computed, less a prompt's
-        last rows there (a new prompt that goes on past them reads them in its own prefill run, as it would from an
-        empty cache)."""
-        best: list[int] = []
-        # copies: other threads may be feeding a cache or cutting their context's ids back (truncate takes no lock)
-        seen = [(list(c.kv), list(c.kv_kernels)) for c in self.caches]
-        for ids_seen, kernels in [*seen, *((list(c.ids), c.kernels) for c in self.lineages)]:
-            n = _common_prefix(ids, ids_seen, limit=len(kernels))
-            if n > len(best):
-                best = kernels[:n]
-        while best and best[-1] in (PROMPT_ROW, TAIL):
-            best.pop()
-        return self.batching.whole_runs(best)
 
     # --- the first cache, for measurements and tests that drive llama.cpp directly ----------------------------------
 
@@ -333,7 +311,7 @@ class LlamaCache:
         self.kv: list[int] = []
         """The ids whose keys and values the cache holds, at positions 0..len-1."""
         self.kv_kernels: list[int] = []
-        """What computed each cached position (ROW, PREFILL, PROMPT_ROW or TAIL: see `LlamaCppContext.kernels`)."""
+        """What computed each cached position (ROW, PREFILL or TAIL: see `LlamaCppContext.kernels`)."""
         self.owner: LlamaCppContext | None = None
         """The decoding context whose ids the cache follows; another one first keeps only what they share."""
         self.busy = False
@@ -352,13 +330,17 @@ class LlamaCache:
 
     def feed(self, tokens: list[int], n_out: int, kernels: int | list[int] = ROW) -> np.ndarray:
         """Evaluate `tokens` at the positions after the cache; return the logits of the last `n_out` as [n_out, V].
-        `kernels` (for all or for each token: ROW, PREFILL, PROMPT_ROW, TAIL) says which kernels compute it, in
+        `kernels` (for all or for each token: ROW, PREFILL, TAIL) says which kernels compute it, in
         batches the model's `batching` allows for them."""
+        # the decode loop and the API keep a generation inside the context and feed only ids its tokenizer made:
+        # anything else here is a bug, and must not reach llama.cpp's buffers
         if len(self.kv) + len(tokens) > self.n_ctx:
-            raise ValueError(
+            raise InternalError(
                 f"{self.path.name}: {len(self.kv) + len(tokens):,} positions do not fit the llama.cpp "
                 f"context of {self.n_ctx:,}"
             )
+        if tokens and not 0 <= min(tokens) <= max(tokens) < self.n_vocab:
+            raise InternalError(f"{self.path.name}: a token id outside its vocabulary of {self.n_vocab:,}")
         kinds = [kernels] * len(tokens) if isinstance(kernels, int) else list(kernels)
         n_out = min(n_out, len(tokens))
         first_out = len(tokens) - n_out
@@ -366,7 +348,7 @@ class LlamaCache:
         for start, end in self.batching.batches(kinds):
             outs = max(0, end - max(first_out, start))
             if outs > self.batching.row_batch:  # the last layer runs on the rows read: on the row kernels
-                raise ValueError(f"{outs} rows of logits from one prefill batch (at most {self.batching.row_batch})")
+                raise InternalError(f"{outs} rows of logits from one prefill batch (at most {self.batching.row_batch})")
             for ptr in self._decode(tokens[start:end], len(self.kv), outs):
                 rows.append(np.ctypeslib.as_array(ptr, shape=(self.n_vocab,)).copy())  # the next decode reuses it
             self.kv.extend(tokens[start:end])
@@ -374,8 +356,10 @@ class LlamaCache:
         return np.stack(rows) if rows else np.empty((0, self.n_vocab), dtype=np.float32)
 
     def _decode(self, tokens: list[int], pos0: int, n_out: int):
-        lib, b = self._lib, self._batch
         n = len(tokens)
+        if not 0 < n <= N_BATCH or not 0 <= n_out <= min(n, N_OUTPUTS):  # the C arrays hold N_BATCH entries
+            raise InternalError(f"a llama_decode call of {n} tokens and {n_out} rows of logits")
+        lib, b = self._lib, self._batch
         b.n_tokens = n
         for i, t in enumerate(tokens):
             b.token[i] = t
@@ -441,59 +425,63 @@ class Batching:
         run = _trailing_prefill(kernels)
         return kernels[: len(kernels) - run + self.prefill_run(run)]
 
-    def prompt_kernels(self, known: list[int], n: int) -> list[int]:
-        """The kernels of a new context's n ids, given those `known` of a prefix of them (a known position keeps its
-        kernels): the rest of the prompt, last token included, as llama.cpp reads a prompt, in one prefill run (whole
-        gemm groups, then the TAIL rows left), joining a prefill run the known positions end with; on the row
-        kernels if too short for a prefill batch."""
-        kernels = self.whole_runs(known[:n])
-        undecided = n - len(kernels)
-        if undecided > 0:
-            run = _trailing_prefill(kernels)
-            gemm = self.prefill_run(run + undecided)
-            if gemm:
-                kernels += [PREFILL] * (gemm - run) + [TAIL] * (run + undecided - gemm)
-            else:
-                kernels += [PROMPT_ROW] * undecided
-        return kernels
+    def prompt_kernels(self, n: int) -> list[int]:
+        """The kernels of a prompt of n ids, whatever came before it: one prefill run, its last token included, as
+        llama.cpp's own generate reads a prompt (whole gemm groups, then the TAIL rows left); on the row kernels if
+        too short for a prefill batch."""
+        gemm = self.prefill_run(n)
+        return [PREFILL] * gemm + [TAIL] * (n - gemm) if gemm else [ROW] * n
 
     def batches(self, kinds: list[int]) -> list[tuple[int, int]]:
         """[start, end) of each llama_decode call: a run on the row kernels in batches of at most `row_batch`; a
-        prefill run (PREFILL rows, then any TAIL rows) in near-equal batches of at most N_BATCH, in whole gemm groups
-        but the last, which takes the TAIL rows."""
+        prefill run (PREFILL rows, then any TAIL rows) as `prefill_sizes` cuts it."""
         out, start = [], 0
-        while start < len(kinds):
-            end = _run_end(kinds, start)
-            gemm = sum(1 for k in kinds[start:end] if k == PREFILL)
-            if FAMILY[kinds[start]] == ROW:
-                unit, size, units = 1, self.row_batch, end - start
-            elif self.prefill_run(gemm) != gemm or end - start - gemm >= self.multiple:
-                raise ValueError(
-                    f"a prefill run of {gemm} + {end - start - gemm} positions (prefill batches take "
-                    f"{PREFILL_MIN_ROWS} or more, in whole groups of {self.multiple} but for fewer TAIL rows)"
-                )
+        for family, counts in _family_runs(kinds):
+            if family == ROW:
+                sizes = _near_equal(counts[ROW], -(-counts[ROW] // self.row_batch))
             else:
-                unit, size, units = self.multiple, N_BATCH, gemm // self.multiple
-            parts = -(-(end - start) // size)
-            cuts = [start + unit * (units * i // parts) for i in range(parts)] + [end]
-            out += list(itertools.pairwise(cuts))
-            start = end
+                sizes = self.prefill_sizes(counts[PREFILL], counts[TAIL])
+            for size in sizes:
+                out.append((start, start + size))
+                start += size
         return out
 
+    def prefill_sizes(self, gemm: int, tail: int) -> list[int]:
+        """The llama_decode calls of a prefill run of `gemm` PREFILL rows and then `tail` TAIL rows: as few as
+        N_BATCH allows (llama_batch_init's arrays hold N_BATCH tokens: a longer call writes past them), near-equal,
+        each but the last in whole gemm groups, the last taking the TAIL rows. Every call has at least
+        PREFILL_MIN_ROWS rows (the prefill kernels' floor), as a run of at least that many split into parts of about
+        N_BATCH / 2 or more does."""
+        if not gemm or self.prefill_run(gemm) != gemm or tail >= self.multiple:
+            raise InternalError(
+                f"a prefill run of {gemm} + {tail} positions (prefill batches take {PREFILL_MIN_ROWS} or more, in "
+                f"whole groups of {self.multiple} but for fewer TAIL rows)"
+            )
+        parts = -(-(gemm + tail) // N_BATCH)
+        # the larger parts first: the last, which takes the TAIL rows, is one of the smaller, and so still fits
+        sizes = [self.multiple * units for units in _near_equal(gemm // self.multiple, parts)]
+        sizes[-1] += tail
+        return sizes
 
-def _run_end(kinds: list[int], start: int) -> int:
-    """Where the run of one llama_decode family that starts at `start` ends: row kinds; or PREFILL rows and then the
-    TAIL rows that close them."""
-    end = start
-    if FAMILY[kinds[start]] == ROW:
-        while end < len(kinds) and FAMILY[kinds[end]] == ROW:
-            end += 1
-        return end
-    while end < len(kinds) and kinds[end] == PREFILL:
-        end += 1
-    while end < len(kinds) and kinds[end] == TAIL:
-        end += 1
-    return end
+
+def _near_equal(total: int, parts: int) -> list[int]:
+    """`total` split into `parts` sizes that differ by at most one, the larger first."""
+    base, extra = divmod(total, parts)
+    return [base + (i < extra) for i in range(parts)]
+
+
+def _family_runs(kinds: list[int]) -> list[tuple[int, dict[int, int]]]:
+    """`kinds` as the runs llama_decode calls compute, in order: (ROW, {ROW: n}) for a run of row kinds, and
+    (PREFILL, {PREFILL: g, TAIL: t}) for PREFILL rows and the TAIL rows that close them."""
+    runs: list[tuple[int, dict[int, int]]] = []
+    for kind, group in itertools.groupby(kinds):
+        call = ROW if kind == ROW else PREFILL
+        last = runs[-1] if runs else None
+        joins = last is not None and last[0] == call and (call == ROW or (kind == TAIL and not last[1][TAIL]))
+        if not joins:
+            runs.append((call, {ROW: 0} if call == ROW else {PREFILL: 0, TAIL: 0}))
+        runs[-1][1][ROW if call == ROW else kind] += len(list(group))
+    return runs
 
 
 def _free(lib, model, handles: list) -> None:
@@ -509,11 +497,11 @@ class LlamaCppContext:
     def __init__(self, model: LlamaCppModel, ids: list[int]):
         self.model = model
         self.ids = list(ids)
-        self.kernels = model.batching.prompt_kernels(model.known_kernels(self.ids), len(self.ids))
-        """What computes each of the first len(kernels) ids (ROW, PREFILL, PROMPT_ROW, TAIL); ids added later get theirs
-        at their first forward (`_decide_new`). Fixed when first decided, so that every evaluation of a position gives
-        the same bits (module docstring)."""
-        model.lineages.append(self)
+        self.kernels = model.batching.prompt_kernels(len(self.ids))
+        """What computes each of the first len(kernels) ids (ROW, PREFILL, TAIL): the prompt's as the prompt alone
+        decides, whatever the cache or an earlier turn held; ids added later get theirs at their first forward
+        (`_decide_new`). Fixed when first decided, so that every evaluation of a position gives the same bits (module
+        docstring)."""
         self.cache: LlamaCache | None = None
         """The cache this context last used."""
         self.cached = 0
@@ -528,21 +516,24 @@ class LlamaCppContext:
         del self.ids[n:]
         self.last.drop_from(n)
         self.kernels = self.model.batching.whole_runs(self.kernels[:n])
-        self.cached = min(self.cached, len(self.kernels))  # the cache drops the rest at the next forward
+        self.cached = min(self.cached, len(self.kernels))
+        with self.model.lock:  # the cache drops the rest now if it is ours and free, else at our next forward
+            if self.cache is not None and self.cache.owner is self and not self.cache.busy:
+                self.cache.keep_first(self.cached)
 
     def _claim(self, cache: LlamaCache) -> None:
         """Own `cache`, keeping what it holds of our ids computed by our kernels."""
         if cache is self.cache and cache.owner is self:
             return
         n = _common_prefix(self.ids, cache.kv, limit=len(self.kernels))
-        same = (FAMILY[a] == FAMILY[b] for a, b in zip(cache.kv_kernels[:n], self.kernels[:n], strict=True))
+        same = (a == b for a, b in zip(cache.kv_kernels[:n], self.kernels[:n], strict=True))
         self.cached = next((i for i, ok in enumerate(same) if not ok), n)
         self.cache, cache.owner = cache, self
 
     def _first_to_feed(self, start: int) -> int:
         """`start`, or earlier when it cuts into a prefill run: that run is fed again from where a prefill batch that
         ends with its gemm groups (and takes the TAIL rows after them) starts (`Batching.whole_runs`)."""
-        if start >= len(self.ids) or FAMILY[self.kernels[start]] == ROW:
+        if start >= len(self.ids) or self.kernels[start] == ROW:
             return start
         while self.kernels[start] == TAIL and self.kernels[start - 1] == TAIL:
             start -= 1  # the TAIL rows are those a batch leaves after its gemm groups: all of them or none
@@ -613,7 +604,8 @@ def batch_invariance(model: LlamaCppModel, ids: list[int], k: int = 8) -> float:
     """The largest logit difference that batching makes (0.0: none, as lossless decoding needs), over both: the last
     k+1 positions of `ids` evaluated one at a time against in row batches; and a prefill in one batch against in
     two. Leaves the model's cache empty."""
-    k = min(k, len(ids) - 1)
+    if len(ids) < k + 2:  # the k + 1 positions checked follow at least one
+        raise ValueError(f"checking a verify of {k + 1} positions needs at least {k + 2} ids, got {len(ids)}")
     with model.lock:
         return max(_row_gap(model, ids, k), _prefill_gap(model, ids))
 
@@ -621,7 +613,7 @@ def batch_invariance(model: LlamaCppModel, ids: list[int], k: int = 8) -> float:
 def _row_gap(model: LlamaCppModel, ids: list[int], k: int) -> float:
     model.forget()
     head, tail = ids[: -k - 1], ids[-k - 1 :]
-    model.feed(head, 0, model.batching.prompt_kernels([], len(head)))
+    model.feed(head, 0, model.batching.prompt_kernels(len(head)))
     single = np.concatenate([model.feed([t], 1) for t in tail])
     model.keep_first(len(head))
     batched = model.feed(tail, k + 1)
