@@ -12,6 +12,7 @@ from usd.sampling import SamplingParams
 from usd.settings import (
     ALGORITHMS,
     DEFAULT_MAX_NEW_TOKENS,
+    GREEDY_BELOW,
     PRECISIONS,
     SEED_MAX,
     GenerationSettings,
@@ -74,6 +75,14 @@ def test_what_users_send_is_read_as_numbers():
         ({"seed": SEED_MAX + 1}, f"seed must be a whole number from 0 to {SEED_MAX:,}, got {SEED_MAX + 1}"),
         ({"max_new_tokens": True}, "max new tokens must be a whole number from 1 to 4,096, got True"),
         ({"stop_strings": [1]}, "stop strings must be a list of texts, got [1]"),
+        ({"stop_strings": ["x"] * 17}, "at most 16 stop strings are allowed, got 17"),
+        (
+            {"stop_strings": ["\n", "ab" * 500_000]},
+            "a stop string may be at most 1,000 characters long; stop string 1 has 1,000,000",
+        ),
+        ({"stop_strings": "a\ud800"}, "stop string 0 is not valid text: it holds a lone surrogate ('\\ud800') at"),
+        # a client's value is shown cut short, however long it is
+        ({"temperature": "9" * 100_000}, "temperature must be a number from 0 (greedy) to 5, got '99999"),
         ({"temprature": 1}, "unknown setting 'temprature'; the settings are algorithm, draft_tokens, temperature"),
         # several problems: the first, in field order
         ({"max_new_tokens": 0, "temperature": -1}, "temperature must be a number from 0 (greedy) to 5, got -1"),
@@ -83,6 +92,23 @@ def test_one_plain_message_per_problem(values, message):
     with pytest.raises(ValueError, match=re.escape(message)) as e:
         GenerationSettings(**values)
     assert "\n" not in str(e.value) and "pydantic" not in str(e.value)
+
+
+def test_messages_show_a_long_value_cut_short():
+    with pytest.raises(ValueError) as e:
+        GenerationSettings(temperature="9" * 100_000)
+    assert len(str(e.value)) < 300
+    with pytest.raises(ValueError) as e:
+        GenerationSettings(stop_strings=[[[[[[[[[["deep"]]]]]]]]]] * 100_000)
+    assert len(str(e.value)) < 300
+
+
+def test_temperatures_below_greedy_below_are_greedy():
+    assert GREEDY_BELOW == 1e-5
+    for t in (0, 1e-40, 9.99e-6):
+        assert GenerationSettings(temperature=t).greedy and SamplingParams(temperature=t).greedy
+    for t in (1e-5, 0.7):
+        assert not GenerationSettings(temperature=t).greedy and not SamplingParams(temperature=t).greedy
 
 
 def test_the_decode_loop_allows_zero_draft_tokens_users_do_not():

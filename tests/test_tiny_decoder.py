@@ -27,7 +27,7 @@ import usd.decoder
 from usd.decoder import stream
 from usd.events import Finished, Round
 from usd.pair import Pair, bytes_of
-from usd.sampling import SamplingParams, sample, uniform
+from usd.sampling import SamplingParams, probabilities, sample, uniform
 
 PROMPTS = [
     "def fibonacci(n):",
@@ -478,3 +478,52 @@ def test_the_check_catches_a_bonus_that_repeats_the_last_candidate(sampling_pair
     joint = exact_joint(pair.target, pair.target_tokenizer.encode(PROMPT))
     counts, _ = sample_two(pair, algorithm, 1)
     assert check_fails(counts, joint)
+
+
+def test_a_temperature_near_zero_decodes_greedily_never_nan(pairs):
+    """Issue 27 point 8 (and issue 23 point 4): temperatures inside the documented range but below
+    settings.GREEDY_BELOW decode as 0 does. Dividing by 1e-40 overflowed the logits to inf and the probabilities to
+    NaN, and the answer came out as padding tokens."""
+    pair = pairs["byte-level"]
+    logits = pair.target(torch.tensor([pair.target_tokenizer.encode(PROMPTS[0])])).logits[0, -1:].detach()
+    for t in (1e-40, 1e-38, 1e-20, 9.9e-6):
+        params = SamplingParams(temperature=t, seed=1)
+        assert params.greedy
+        p = probabilities(logits, params)
+        assert torch.isfinite(p).all() and p.sum() == 1 and int(p.argmax()) == int(logits.argmax())
+    assert not SamplingParams(temperature=1e-5).greedy
+    assert torch.isfinite(probabilities(logits, SamplingParams(temperature=1e-5))).all()
+    _, greedy = run(pair, PROMPTS[0], algorithm="none", max_new_tokens=MAX_NEW)
+    for algorithm in ("none", "tli", "slem"):
+        params = SamplingParams(temperature=1e-40, seed=5)
+        _, tiny_t = run(pair, PROMPTS[0], algorithm=algorithm, k=3, params=params, max_new_tokens=MAX_NEW)
+        assert tiny_t.target_ids == greedy.target_ids and tiny_t.text == greedy.text, algorithm
+
+
+class _CountingBytes(bytes):
+    """The committed answer, counting the times it is copied whole (each `+` on it makes a new one)."""
+
+    copies = 0
+
+    def __add__(self, other):
+        _CountingBytes.copies += 1
+        return _CountingBytes(bytes(self) + other)
+
+
+def test_the_stop_check_reads_only_the_tail_of_a_long_answer(pairs):
+    """Issue 27 point 1: the stop check joined the whole committed answer to each emitted token, so an answer of n
+    tokens cost n copies of itself (quadratic); it reads the stop strings' reach only. Committing a round appends to
+    the answer once, which is the one copy left."""
+    from usd.decoder import Answer, Verdict
+    from usd.drafters import Draft
+
+    pair = pairs["byte-level"]
+    answer = Answer(pair, max_new_tokens=1000, stop_strings=("@@stop@@", "never"))
+    answer.committed = _CountingBytes(b"x" * 100_000)
+    word = pair.target_tokenizer.encode(" the")[0]
+    candidates = [word] * 6
+    draft = Draft(candidates=candidates, q=[], drafter_ids=[(c,) for c in candidates], steps=6)
+    _CountingBytes.copies = 0
+    pieces = answer.commit(draft, Verdict(accepted=6, token=word, kind="bonus"), round_index=0)
+    assert len(pieces) == 7 and answer.stop_reason is None
+    assert _CountingBytes.copies == 1, f"the answer was copied {_CountingBytes.copies} times in one round"

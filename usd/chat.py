@@ -8,6 +8,9 @@ the one whose drafts the target accepts more often. Base models without a templa
 
 from __future__ import annotations
 
+from .settings import short_repr
+from .utf8 import not_text
+
 ROLES = ("system", "user", "assistant")
 RENDERINGS = ("auto", "own", "stripped")
 _TRIES = 2
@@ -21,7 +24,14 @@ class PromptError(ValueError):
 def check_prompt(prompt) -> str:
     if not isinstance(prompt, str) or not prompt.strip():
         raise PromptError("the prompt is empty; type a question or some text to continue")
+    _check_text(prompt, "the prompt")
     return prompt
+
+
+def _check_text(text: str, what: str) -> None:
+    problem = not_text(text)
+    if problem:
+        raise PromptError(f"{what} is not valid text: it holds {problem}; send it as valid Unicode (UTF-8)")
 
 
 def check_messages(messages) -> list[dict]:
@@ -30,11 +40,14 @@ def check_messages(messages) -> list[dict]:
     out = []
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or set(m) - {"role", "content"} or "role" not in m or "content" not in m:
-            raise PromptError(f"message {i} must be an object with exactly the keys 'role' and 'content', got {m!r}")
+            raise PromptError(
+                f"message {i} must be an object with exactly the keys 'role' and 'content', got {short_repr(m)}"
+            )
         if m["role"] not in ROLES:
-            raise PromptError(f"message {i} has role {m['role']!r}; use one of {', '.join(ROLES)}")
+            raise PromptError(f"message {i} has role {short_repr(m['role'])}; use one of {', '.join(ROLES)}")
         if not isinstance(m["content"], str):
             raise PromptError(f"message {i} content must be text, got {type(m['content']).__name__}")
+        _check_text(m["content"], f"message {i}'s content")
         out.append({"role": m["role"], "content": m["content"]})
     if out[-1]["role"] != "user":
         raise PromptError(f"the last message must be the user's (the model answers it), got {out[-1]['role']!r}")
@@ -85,15 +98,20 @@ def record_rendering(memory: dict, rendering: str, accepted: int, drafted: int) 
         memory["rendering"][rendering] = [n + 1, a + accepted, d + drafted]
 
 
+def target_ids(pair, prompt: str | None = None, messages: list[dict] | None = None) -> list[int]:
+    """The target's ids of a raw prompt (tokenized as is) or of a conversation (through its template)."""
+    if messages is None:
+        return pair.target_tokenizer.encode(check_prompt(prompt))
+    return render_ids(pair.target_tokenizer, check_messages(messages))
+
+
 def prompt_ids(pair, prompt: str | None = None, messages: list[dict] | None = None, rendering: str = "own"):
     """(target ids, drafter ids or None): a raw prompt is tokenized as is; a conversation goes through templates."""
+    t_ids = target_ids(pair, prompt, messages)
     if messages is None:
-        check_prompt(prompt)
-        t_ids = pair.target_tokenizer.encode(prompt)
         d_ids = pair.drafter_tokenizer.encode(prompt) if pair.drafter_tokenizer is not None else None
         return t_ids, d_ids
     messages = check_messages(messages)
-    t_ids = render_ids(pair.target_tokenizer, messages)
     if pair.drafter_tokenizer is None:
         return t_ids, None
     if pair.same_tokenizer:

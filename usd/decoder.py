@@ -144,6 +144,7 @@ class Answer:
         self.eos = pair.eos_ids()
         self.max_new_tokens = max_new_tokens
         self.stop_strings = tuple(s for s in stop_strings if s)
+        self.stop_reach = max((len(s.encode()) for s in self.stop_strings), default=0) + 3  # +3: a cut character
         self.ids: list[int] = []
         self.committed = b""
         self.piece_text = piece_decoder()  # a piece shows the characters it completes; a split one waits for its rest
@@ -169,7 +170,7 @@ class Answer:
                     drafter_ids=dids,
                 )
             )
-            if self._ends_with_stop_string(self.committed + new_bytes, len(new_bytes)):
+            if self._ends_with_stop_string(new_bytes):
                 self.stop_reason = "stop_string"
             elif len(self.ids) + j + 1 >= self.max_new_tokens:
                 self.stop_reason = "max_tokens"
@@ -193,12 +194,13 @@ class Answer:
             if j >= verdict.accepted
         ]
 
-    def _ends_with_stop_string(self, text: bytes, new: int) -> bool:
-        """Whether the last `new` bytes completed a stop string (it lies in the tail they end)."""
+    def _ends_with_stop_string(self, new: bytes) -> bool:
+        """Whether `new`, the round's bytes so far after the committed answer, completed a stop string. A stop string
+        they completed lies in the tail they end, so only that tail is read: a check costs the same at any length of
+        the answer (joining the whole answer each time would make a long answer's checks quadratic)."""
         if not self.stop_strings:
             return False
-        window = new + max(len(s.encode()) for s in self.stop_strings) + 3  # +3: a character cut at the start
-        tail = text[-window:].decode("utf-8", "replace")
+        tail = (self.committed[-self.stop_reach :] + new).decode("utf-8", "replace")
         return any(s in tail for s in self.stop_strings)
 
 

@@ -1,6 +1,7 @@
 """Logits -> the distribution p the user asked for (temperature, top-k, top-p), and seeded sampling from it.
 
-Greedy decoding is temperature 0: p is one-hot at the argmax, so every acceptance rule below reduces to exact match.
+Greedy decoding is temperature 0 (or below settings.GREEDY_BELOW): p is one-hot at the argmax, so every acceptance
+rule below reduces to exact match.
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .settings import check_temperature, check_top_k, check_top_p
+from .settings import check_temperature, check_top_k, check_top_p, is_greedy
 
 
 @dataclass(frozen=True)
@@ -31,7 +32,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return is_greedy(self.temperature)
 
 
 def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:

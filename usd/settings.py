@@ -11,11 +11,14 @@ from __future__ import annotations
 
 import contextlib
 import math
+import reprlib
+from itertools import islice
 from typing import TYPE_CHECKING, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, ValidationError, field_validator, model_validator
 
 from .catalog import Precision
+from .utf8 import not_text
 
 if TYPE_CHECKING:
     from .sampling import SamplingParams
@@ -32,6 +35,15 @@ TOP_K_MAX = 1 << 20
 SEED_MAX = (1 << 63) - 1
 MAX_NEW_TOKENS_MAX = 4096
 DEFAULT_MAX_NEW_TOKENS = 256
+GREEDY_BELOW = 1e-5
+"""Temperatures below this decode greedily, as 0 does. At T < 1e-5 a token whose logit trails the best one by 1e-3
+or more gets a probability below exp(-100), far under float32's smallest normal number: the distribution is one-hot
+to within float32 rounding (only near-ties, which greedy settles by the argmax, keep a second token). Dividing by
+such a T gains nothing and, near T = 1e-38, overflows the logits to inf and the probabilities to NaN."""
+STOP_STRINGS_MAX = 16
+STOP_STRING_CHARS_MAX = 1000
+"""Bounds on the stop strings of one generation: every answer position looks for each of them, so a client must not
+be able to make that look as long as it likes."""
 
 
 # --- the checks, on typed values -------------------------------------------------------------------------------------
@@ -39,7 +51,7 @@ DEFAULT_MAX_NEW_TOKENS = 256
 
 def check_algorithm(algorithm) -> str:
     if algorithm not in ALGORITHMS:
-        raise ValueError(f"unknown algorithm {algorithm!r}; choose one of {', '.join(ALGORITHMS)}")
+        raise ValueError(f"unknown algorithm {short_repr(algorithm)}; choose one of {', '.join(ALGORITHMS)}")
     return algorithm
 
 
@@ -52,50 +64,88 @@ def check_draft_tokens(k, allow_zero: bool = False) -> int | str:
     if not _is_int(k) or not low <= k <= DRAFT_TOKENS_MAX:
         hint = "" if allow_zero else " (to decode without a drafter, use algorithm none)"
         raise ValueError(
-            f"draft tokens must be auto or a whole number from {low} to {DRAFT_TOKENS_MAX}, got {k!r}{hint}"
+            f"draft tokens must be auto or a whole number from {low} to {DRAFT_TOKENS_MAX}, got {short_repr(k)}{hint}"
         )
     return k
 
 
+def is_greedy(temperature: float) -> bool:
+    """Whether this temperature decodes greedily (0, and anything below GREEDY_BELOW)."""
+    return temperature < GREEDY_BELOW
+
+
 def check_temperature(t) -> float:
     if not _is_real(t) or not 0 <= t <= TEMPERATURE_MAX:  # NaN fails every comparison
-        raise ValueError(f"temperature must be a number from 0 (greedy) to {TEMPERATURE_MAX:g}, got {t!r}")
+        raise ValueError(f"temperature must be a number from 0 (greedy) to {TEMPERATURE_MAX:g}, got {short_repr(t)}")
     return float(t)
 
 
 def check_top_p(p) -> float:
     if not _is_real(p) or not 0 < p <= 1:
-        raise ValueError(f"top-p must be a number above 0 and at most 1, got {p!r}")
+        raise ValueError(f"top-p must be a number above 0 and at most 1, got {short_repr(p)}")
     return float(p)
 
 
 def check_top_k(k) -> int:
     """0 turns top-k off."""
     if not _is_int(k) or not 0 <= k <= TOP_K_MAX:
-        raise ValueError(f"top-k must be a whole number from 0 to {TOP_K_MAX:,}, got {k!r}")
+        raise ValueError(f"top-k must be a whole number from 0 to {TOP_K_MAX:,}, got {short_repr(k)}")
     return k
 
 
 def check_seed(seed) -> int | None:
     """None: a fresh random seed per generation."""
     if seed is not None and (not _is_int(seed) or not 0 <= seed <= SEED_MAX):
-        raise ValueError(f"seed must be a whole number from 0 to {SEED_MAX:,}, got {seed!r}")
+        raise ValueError(f"seed must be a whole number from 0 to {SEED_MAX:,}, got {short_repr(seed)}")
     return seed
 
 
 def check_max_new_tokens(n) -> int:
     if not _is_int(n) or not 1 <= n <= MAX_NEW_TOKENS_MAX:
-        raise ValueError(f"max new tokens must be a whole number from 1 to {MAX_NEW_TOKENS_MAX:,}, got {n!r}")
+        raise ValueError(f"max new tokens must be a whole number from 1 to {MAX_NEW_TOKENS_MAX:,}, got {short_repr(n)}")
     return n
 
 
 def check_stop_strings(stops) -> tuple[str, ...]:
-    """Texts that end the answer where they appear; a single text is one stop string (as OpenAI's `stop` takes it)."""
+    """Texts that end the answer where they appear; a single text is one stop string (as OpenAI's `stop` takes it).
+    At most STOP_STRINGS_MAX of them, each at most STOP_STRING_CHARS_MAX characters of valid Unicode."""
     if isinstance(stops, str):
-        return (stops,)
+        stops = (stops,)
     if not isinstance(stops, list | tuple) or not all(isinstance(s, str) for s in stops):
-        raise ValueError(f"stop strings must be a list of texts, got {stops!r}")
+        raise ValueError(f"stop strings must be a list of texts, got {short_repr(stops)}")
+    if len(stops) > STOP_STRINGS_MAX:
+        raise ValueError(f"at most {STOP_STRINGS_MAX} stop strings are allowed, got {len(stops):,}")
+    for i, s in enumerate(stops):
+        if len(s) > STOP_STRING_CHARS_MAX:
+            raise ValueError(
+                f"a stop string may be at most {STOP_STRING_CHARS_MAX:,} characters long; stop string {i} has "
+                f"{len(s):,}"
+            )
+        problem = not_text(s)
+        if problem:
+            raise ValueError(f"stop string {i} is not valid text: it holds {problem}")
     return tuple(stops)
+
+
+def short_repr(x) -> str:
+    """`x` as shown in a message: its repr, cut short (a client's value can be megabytes, or nested thousands of
+    levels deep)."""
+    return _SHORT.repr(x)
+
+
+class _ShortRepr(reprlib.Repr):
+    def repr_dict(self, x, level):
+        """A dict in its own order, as repr shows it (reprlib sorts the keys)."""
+        if not x:
+            return "{}"
+        if level <= 0:
+            return "{...}"
+        pieces = [f"{self.repr1(k, level - 1)}: {self.repr1(v, level - 1)}" for k, v in islice(x.items(), self.maxdict)]
+        return "{" + ", ".join(pieces) + (", ..." if len(x) > self.maxdict else "") + "}"
+
+
+_SHORT = _ShortRepr()
+_SHORT.maxstring = _SHORT.maxother = 200
 
 
 def _is_int(x) -> bool:
@@ -173,6 +223,10 @@ class GenerationSettings(BaseModel):
     def replace(self, **changes) -> GenerationSettings:
         """A copy with `changes`, checked like the original."""
         return GenerationSettings(**{**self.model_dump(), **changes})
+
+    @property
+    def greedy(self) -> bool:
+        return is_greedy(self.temperature)
 
     def sampling_params(self) -> SamplingParams:
         from .sampling import SamplingParams

@@ -12,6 +12,16 @@ def piece_decoder() -> codecs.IncrementalDecoder:
     return codecs.getincrementaldecoder("utf-8")("replace")
 
 
+def not_text(text: str) -> str | None:
+    """What makes `text` no valid Unicode, or None: a lone surrogate (JSON's "\\ud800" escape carries one into a
+    Python string), which no encoding can write and the tokenizers refuse."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        return f"a lone surrogate ({text[e.start]!r}) at character {e.start:,}"
+    return None
+
+
 def split_utf8(data: bytes) -> list[str | bytes]:
     """`data` as alternating runs of text (str) and invalid bytes (bytes), without a valid incomplete character at
     the very end: that one is held back, since its rest may still come."""
