@@ -151,3 +151,53 @@ def test_in_space_mode_a_request_may_name_only_what_the_space_serves(monkeypatch
         service.resolve("qwen2.5-32b-instruct")
     assert e.value.status == 404 and e.value.code == "model_not_found"
     assert "qwen2.5-32b-instruct" not in [m["id"] for m in service.models()]
+
+
+def held_back_by_trying_every_prefix(text: str, stops: tuple[str, ...]) -> int:
+    """The old, quadratic rule for how much of a streamed text to hold back: the longest end of it that begins a stop
+    string, found by trying every prefix of every stop string."""
+    return max((k for s in stops for k in range(len(s) - 1, 0, -1) if text.endswith(s[:k])), default=0)
+
+
+def test_stop_trim_holds_back_exactly_what_could_begin_a_stop_string():
+    """The linear matcher against the rule it replaced, on random texts over a small alphabet (where stop strings
+    overlap themselves and each other often), chunk by chunk."""
+    import random
+
+    rng = random.Random(0)
+    for _ in range(300):
+        stops = tuple("".join(rng.choice("ab") for _ in range(rng.randint(1, 6))) for _ in range(rng.randint(1, 3)))
+        text = "".join(rng.choice("abc") for _ in range(rng.randint(0, 40)))
+        trim, out, seen = p.StopTrim(stops), "", ""
+        while seen != text and not trim.done:
+            chunk = text[len(seen) : len(seen) + rng.randint(1, 5)]
+            seen += chunk
+            out += trim.feed(chunk)
+            if not trim.done:
+                assert len(trim.held) == held_back_by_trying_every_prefix(seen, stops), (stops, seen)
+        assert out + trim.end() == p.trimmed(text, stops), (stops, text)
+        cut = min((i for i in (text.find(s) for s in stops) if i >= 0), default=len(text))
+        assert p.trimmed(text, stops) == text[:cut]
+
+
+def test_a_text_that_is_not_unicode_is_a_400_that_says_where():
+    with pytest.raises(p.APIError, match=r"message 0's content is not valid text: it holds a lone surrogate") as e:
+        p.chat_messages(chat(messages=[{"role": "user", "content": "a\ud800b"}]))
+    assert e.value.status == 400 and "'\\ud800') at character 1" in e.value.message
+    with pytest.raises(p.APIError, match=r"the prompt is not valid text: it holds a lone surrogate"):
+        p.completion_prompt(p.parse(p.CompletionRequest, {"model": "m", "prompt": "x\udfff"}))
+    with pytest.raises(p.APIError, match="stop string 0 is not valid text") as e:
+        p.settings_of(chat(stop=["\ud800"]))
+    assert e.value.param == "stop"
+
+
+def test_errors_beyond_the_routes_have_openais_shape():
+    from usd.serve.routes import unknown_route
+
+    e = unknown_route("GET", "/v1/chat/completions")
+    assert e.status == 405 and e.message == "GET /v1/chat/completions is not allowed; use POST /v1/chat/completions"
+    e = unknown_route("POST", "/v1/embeddings")
+    assert e.status == 404 and e.message.startswith("there is no route POST /v1/embeddings here; this server answers")
+    assert set(e.body()["error"]) == {"message", "type", "param", "code"}
+    e = p.too_large(p.MAX_BODY_BYTES, 30_000_000)
+    assert e.status == 413 and "over the server's limit of 4,194,304 bytes (this one is 30,000,000 bytes)" in e.message

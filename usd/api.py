@@ -85,6 +85,7 @@ def stream(
     if messages is None and chat_mode:
         messages = [{"role": "user", "content": chat.check_prompt(prompt)}]
     rendering = chat.choose_rendering(pair.memory, drafter_rendering)
+    check_size(pair, prompt, messages)
     t_ids, d_ids = chat.prompt_ids(pair, prompt, messages, rendering)
     check_context(pair, len(t_ids), s.max_new_tokens)
     events = decoder.stream(
@@ -98,7 +99,7 @@ def stream(
         stop_strings=s.stop_strings,
         cancel=cancel,
     )
-    events = suggest.recording(pair, events, greedy=s.temperature == 0)  # what use shows refines `usd suggest`
+    events = suggest.recording(pair, events, greedy=s.greedy)  # what use shows refines `usd suggest`
     for event in events:
         if isinstance(event, Finished) and messages is not None and pair.drafter is not None:
             chat.record_rendering(pair.memory, rendering, event.stats.accepted, event.stats.drafted)
@@ -125,6 +126,49 @@ def check_context(pair: Pair, prompt_tokens: int, max_new_tokens: int) -> None:
             f"exceeds {pair.target_name}'s context of {limit:,} tokens; lower max new tokens to "
             f"at most {limit - prompt_tokens:,} or shorten the prompt"
         )
+
+
+def count_prompt(
+    pair: Pair, settings: GenerationSettings, prompt: str | None = None, messages: list[dict] | None = None
+) -> int:
+    """The target tokens of a prompt (or conversation), checked against the context with `settings.max_new_tokens`
+    as `check_context` does, and first as `check_size` does."""
+    check_size(pair, prompt, messages)
+    n = len(chat.target_ids(pair, prompt, messages))
+    check_context(pair, n, settings.max_new_tokens)
+    return n
+
+
+def check_size(pair: Pair, prompt: str | None = None, messages: list[dict] | None = None) -> None:
+    """Refuse a text too long for the context before it is tokenized (ContextLengthError): no token holds more bytes
+    than the vocabulary's longest, so n bytes are at least n / longest tokens, once the tokenizer's normalizer has had
+    its way (Unicode composition, NFC or NFKC, shortens a text at most threefold: Hangul jamo)."""
+    if not pair.context_length:
+        return
+    size = sum(len(text.encode()) for text in _texts(prompt, messages))
+    tokens_at_least = size // (_NORMALIZED_SHRINKS_AT_MOST * longest_token_bytes(pair))
+    if tokens_at_least >= pair.context_length:
+        raise ContextLengthError(
+            f"the prompt is {size:,} bytes, at least {tokens_at_least:,} tokens: longer than {pair.target_name}'s "
+            f"context of {pair.context_length:,} tokens; shorten it or start a new chat"
+        )
+
+
+_NORMALIZED_SHRINKS_AT_MOST = 3
+
+
+def _texts(prompt: str | None, messages: list[dict] | None) -> list[str]:
+    """A prompt's text, or a conversation's contents, checked."""
+    if messages is None:
+        return [chat.check_prompt(prompt)]
+    return [m["content"] for m in chat.check_messages(messages)]
+
+
+def longest_token_bytes(pair: Pair) -> int:
+    """The most bytes one target token stands for (its ordinary tokens' and its special ones')."""
+    tb = pair.target_bytes
+    ordinary = max(map(len, tb.bytes_of.values()), default=1)
+    return max(ordinary, max((len(s.encode()) for s in tb.specials.values()), default=1))
 
 
 def generate(pair: Pair, prompt: str | None = None, **kwargs) -> Finished:

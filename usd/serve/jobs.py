@@ -8,7 +8,7 @@ import contextlib
 import threading
 from typing import TYPE_CHECKING
 
-from usd import api, chat
+from usd import api
 from usd.events import Finished, Round
 from usd.settings import GenerationSettings
 
@@ -32,11 +32,9 @@ POLL_S = 0.25
 
 
 class Job:
-    def __init__(
-        self, service: Service, name: str, inputs: dict, settings: GenerationSettings, prompt_tokens: int | None = None
-    ):
+    def __init__(self, service: Service, name: str, inputs: dict, settings: GenerationSettings):
         self.service, self.name, self.inputs, self.settings = service, name, inputs, settings
-        self.prompt_tokens = prompt_tokens
+        self.prompt_tokens: int | None = None
         self.cancel = threading.Event()
         self._loop = asyncio.get_running_loop()
         self._queue: asyncio.Queue = asyncio.Queue()
@@ -52,6 +50,7 @@ class Job:
         ticket = self._ticket
         assert ticket is not None  # start() takes it before starting this worker
         try:
+            self._check_prompt()
             if ticket.wait(self.cancel):
                 self.service.wrap(self._generate)()
         except BaseException as e:  # handed to the request, which answers with it
@@ -60,12 +59,27 @@ class Job:
             ticket.leave()
             self._put(_END)
 
+    def _check_prompt(self) -> None:
+        """The prompt against the loaded pair's context, before the request waits in line for nothing. It runs here,
+        on the request's own thread, holding its place in line: tokenizing a long prompt would stall every other
+        request on the event loop, and the line's limit bounds how many are tokenized at once."""
+        pair = self.service.loaded(self.name)
+        if pair is not None:
+            self.prompt_tokens = api.count_prompt(
+                pair, self.settings, self.inputs.get("prompt"), self.inputs.get("messages")
+            )
+
     def _generate(self) -> None:
         pair = self.service.pair(self.name)
         if self.prompt_tokens is None:
-            self.prompt_tokens = len(chat.prompt_ids(pair, self.inputs.get("prompt"), self.inputs.get("messages"))[0])
+            self.prompt_tokens = api.count_prompt(
+                pair, self.settings, self.inputs.get("prompt"), self.inputs.get("messages")
+            )
         for event in api.stream(pair, **self.inputs, settings=self.settings, cancel=self.cancel):
             self._put(event)
+
+    def _count(self, pair) -> int:
+        return api.count_prompt(pair, self.settings, self.inputs.get("prompt"), self.inputs.get("messages"))
 
     def _put(self, item) -> None:
         try:

@@ -17,7 +17,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 
 from usd import chat
 from usd.events import Finished, Piece, Round, Stats
-from usd.settings import GenerationSettings
+from usd.settings import GenerationSettings, short_repr
 
 # --- errors ----------------------------------------------------------------------------------------------------------
 
@@ -25,10 +25,17 @@ ERROR_TYPES = {
     400: "invalid_request_error",
     401: "authentication_error",
     404: "invalid_request_error",
+    405: "invalid_request_error",
+    413: "invalid_request_error",
     429: "rate_limit_error",
     500: "server_error",
     503: "server_error",
 }
+
+MAX_BODY_BYTES = 4 << 20
+"""The largest request body the server reads (4 MiB; `limits.BodyLimit` refuses more with a 413 before reading it).
+The longest prompt any catalog model can take, 131,072 tokens, is under 1 MiB of English and under 4 MiB of CJK text
+sent as JSON's \\uXXXX escapes (6 bytes a character)."""
 
 
 class APIError(Exception):
@@ -51,6 +58,16 @@ class APIError(Exception):
 
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
     return APIError(400, message, param, code)
+
+
+def too_large(limit: int, size: int | None = None) -> APIError:
+    got = f" (this one is {size:,} bytes)" if size is not None else ""
+    return APIError(
+        413,
+        f"the request body is over the server's limit of {limit:,} bytes{got}; send a shorter prompt",
+        None,
+        "request_too_large",
+    )
 
 
 # --- requests --------------------------------------------------------------------------------------------------------
@@ -138,10 +155,10 @@ UNSUPPORTED: dict[str, tuple[tuple, str | None]] = {
 def refuse_unsupported(request: _Request) -> None:
     for name, value in (request.model_extra or {}).items():
         if name not in UNSUPPORTED:
-            raise bad_request(f"unknown field {name!r}; this server does not support it", param=name)
+            raise bad_request(f"unknown field {short_repr(name)}; this server does not support it", param=name)
         allowed, why = UNSUPPORTED[name]
         if why is not None and value is not None and not any(_same(value, a) for a in allowed):
-            raise bad_request(f"{name}={value!r}: {why}", param=name)
+            raise bad_request(f"{name}={short_repr(value)}: {why}", param=name)
     so = request.stream_options
     if so is not None and so.include_obfuscation:
         raise bad_request(
@@ -173,7 +190,7 @@ def parse(kind: type[R], body) -> R:
         if first["type"] == "missing":
             raise bad_request(f"{where} is required", param=where) from None
         if first["type"] == "extra_forbidden":
-            raise bad_request(f"unknown field {where!r}", param=where) from None
+            raise bad_request(f"unknown field {short_repr(where)}", param=where) from None
         raise bad_request(f"{where}: {first['msg']}", param=where) from None
     refuse_unsupported(request)
     return request
@@ -190,8 +207,8 @@ def settings_of(request: _Request) -> GenerationSettings:
     if isinstance(request, ChatRequest) and request.max_completion_tokens is not None:
         if request.max_tokens is not None and request.max_tokens != request.max_completion_tokens:
             raise bad_request(
-                f"max_tokens ({request.max_tokens!r}) and max_completion_tokens "
-                f"({request.max_completion_tokens!r}) differ; send one of them",
+                f"max_tokens ({short_repr(request.max_tokens)}) and max_completion_tokens "
+                f"({short_repr(request.max_completion_tokens)}) differ; send one of them",
                 param="max_completion_tokens",
             )
         max_param, max_new = "max_completion_tokens", request.max_completion_tokens
@@ -230,14 +247,14 @@ def chat_messages(request: ChatRequest) -> list[dict]:
         extra = sorted(k for k, v in m.items() if k not in ("role", "content") and v not in (None, [], ""))
         if extra:
             raise bad_request(
-                f"message {i}: {', '.join(map(repr, extra))} not supported; send role and text content only",
+                f"message {i}: {', '.join(map(short_repr, extra))} not supported; send role and text content only",
                 param=f"messages.{i}",
             )
         role, content = m.get("role"), m.get("content")
         if role == "developer":  # OpenAI's newer name for the system message
             role = "system"
         if role in ("tool", "function"):
-            raise bad_request(f"message {i} has role {role!r}: {_TOOLS}", param=f"messages.{i}.role")
+            raise bad_request(f"message {i} has role {short_repr(role)}: {_TOOLS}", param=f"messages.{i}.role")
         if isinstance(content, list):
             content = "".join(_text_part(i, part) for part in content)
         out.append({"role": role, "content": content})
@@ -251,7 +268,9 @@ def _text_part(i: int, part) -> str:
     if isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str):
         return part["text"]
     kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-    raise bad_request(f"message {i} has a {kind!r} content part; only text is supported", param=f"messages.{i}")
+    raise bad_request(
+        f"message {i} has a {short_repr(kind)} content part; only text is supported", param=f"messages.{i}"
+    )
 
 
 def completion_prompt(request: CompletionRequest) -> str:
@@ -338,10 +357,15 @@ def finish_reason(stop_reason: str | None) -> str:
 
 class StopTrim:
     """OpenAI's answer ends before the first stop string; the engine's ends with the token that completed it. While
-    streaming, text that could still be the start of a stop string is held back until it is known not to be."""
+    streaming, text that could still be the start of a stop string is held back until it is known not to be.
+
+    Linear in the text: each stop string's matcher (`_Matcher`) follows the text a character at a time, so how much
+    to hold back is known without looking back over it, and the first stop string is found with str.find on what is
+    held (at most the longest stop string plus the new text)."""
 
     def __init__(self, stops: tuple[str, ...]):
         self.stops = tuple(s for s in stops if s)
+        self.matchers = [_Matcher(s) for s in self.stops]
         self.held = ""
         self.done = False
 
@@ -351,12 +375,12 @@ class StopTrim:
         if not self.stops:
             return text
         self.held += text
-        cut = min((i for i in (self.held.find(s) for s in self.stops) if i >= 0), default=-1)
+        cut = first_stop(self.held, self.stops)
         if cut >= 0:
             self.done = True
             out, self.held = self.held[:cut], ""
             return out
-        keep = max((k for s in self.stops for k in range(len(s) - 1, 0, -1) if self.held.endswith(s[:k])), default=0)
+        keep = max(m.feed(text) for m in self.matchers)  # the longest end of the text that begins a stop string
         out = self.held[: len(self.held) - keep]
         self.held = self.held[len(out) :]
         return out
@@ -366,9 +390,46 @@ class StopTrim:
         return out
 
 
+class _Matcher:
+    """How many characters of one stop string the text seen so far ends with (Knuth-Morris-Pratt): each character
+    moves it in amortised constant time, where trying every prefix against the text's end would cost the square of
+    the stop string's length at each step."""
+
+    def __init__(self, stop: str):
+        self.stop = stop
+        self.fallback = [0] * len(stop)
+        """fallback[i]: the longest proper prefix of stop[: i + 1] that is also its suffix."""
+        k = 0
+        for i in range(1, len(stop)):
+            while k and stop[i] != stop[k]:
+                k = self.fallback[k - 1]
+            if stop[i] == stop[k]:
+                k += 1
+            self.fallback[i] = k
+        self.matched = 0
+
+    def feed(self, text: str) -> int:
+        stop, fallback, k = self.stop, self.fallback, self.matched
+        for ch in text:
+            if k == len(stop):  # a whole match (the caller has seen it): go on from its longest border
+                k = fallback[k - 1]
+            while k and stop[k] != ch:
+                k = fallback[k - 1]
+            if stop[k] == ch:
+                k += 1
+        self.matched = k
+        return k
+
+
+def first_stop(text: str, stops: tuple[str, ...]) -> int:
+    """Where the first stop string in `text` begins, or -1."""
+    return min((i for i in (text.find(s) for s in stops if s) if i >= 0), default=-1)
+
+
 def trimmed(text: str, stops: tuple[str, ...]) -> str:
-    t = StopTrim(stops)
-    return t.feed(text) + t.end()
+    """`text` up to its first stop string."""
+    cut = first_stop(text, stops)
+    return text if cut < 0 else text[:cut]
 
 
 @dataclass

@@ -15,14 +15,18 @@ from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from fastapi.sse import EventSourceResponse, format_sse_event
+from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from usd import api, chat
 from usd.events import Finished, Round
 from usd.loading import LoadError
 from usd.pair import Pair
+from usd.settings import GenerationSettings
 
 from . import protocol as p
 from .jobs import ClientGone, Job
+from .limits import BodyLimit
 from .slots import QueueFull, Slots
 
 log = logging.getLogger("usd.serve")
@@ -161,30 +165,34 @@ def create_router(service: Service) -> APIRouter:
         check_key(credentials)
         return await complete(service, request, chat_api=False)
 
+    # last: whatever else is asked under /v1 gets OpenAI's error shape, not the web framework's {"detail": ...}
+    @router.api_route("/{path:path}", methods=["GET", "POST", "PUT", "PATCH", "DELETE"], include_in_schema=False)
+    async def unknown(path: str, request: Request):
+        e = unknown_route(request.method, request.url.path)
+        return JSONResponse(e.body(), status_code=e.status)
+
     return router
 
 
+ROUTES = {"/v1/models": "GET", "/v1/chat/completions": "POST", "/v1/completions": "POST"}
+"""The OpenAI-compatible routes and the method each takes."""
+
+
+def unknown_route(method: str, path: str) -> p.APIError:
+    """The error for a request no route answers: 405 for a known route with another method, else 404."""
+    allowed = ROUTES.get(path.rstrip("/"))
+    if allowed is not None and allowed != method:
+        return p.APIError(405, f"{method} {path} is not allowed; use {allowed} {path}", None, "method_not_allowed")
+    routes = ", ".join(f"{m} {r}" for r, m in ROUTES.items())
+    return p.APIError(404, f"there is no route {method} {path} here; this server answers {routes}", None, "not_found")
+
+
 async def complete(service: Service, request: Request, chat_api: bool):
-    try:
-        body = await request.json()
-    except (ValueError, UnicodeDecodeError):
-        raise p.bad_request("the request body is not valid JSON") from None
-    req = p.parse(p.ChatRequest, body) if chat_api else p.parse(p.CompletionRequest, body)
-    settings = p.settings_of(req)
-    # api.stream's keyword arguments: the chat's messages or the completion's prompt
-    inputs: dict[str, Any] = (
-        {"messages": p.chat_messages(req)} if isinstance(req, p.ChatRequest) else {"prompt": p.completion_prompt(req)}
-    )
+    body = await request.body()  # at most protocol.MAX_BODY_BYTES: limits.BodyLimit refuses more unread
+    # Reading it and checking it is the request's own work: on a worker thread, the event loop stays free for others
+    req, settings, inputs = await run_in_threadpool(read_request, body, chat_api)
     name = service.resolve(req.model)
-    prompt_tokens: int | None = None
-    pair = service.loaded(name)
-    if pair is not None:  # the prompt against the context now, before the request waits in line for nothing
-        try:
-            prompt_tokens = len(chat.prompt_ids(pair, inputs.get("prompt"), inputs.get("messages"))[0])
-            api.check_context(pair, prompt_tokens, settings.max_new_tokens)
-        except ValueError as e:
-            raise engine_error(e) from None
-    job = Job(service, name, inputs, settings, prompt_tokens)
+    job = Job(service, name, inputs, settings)
     try:
         job.start()
     except QueueFull as e:
@@ -218,9 +226,31 @@ async def complete(service: Service, request: Request, chat_api: bool):
         raise engine_error(e) from None
     finally:
         job.stop()
-    text = p.trimmed(event.text, settings.stop_strings)
+    text = await run_in_threadpool(p.trimmed, event.text, settings.stop_strings)
     assert job.prompt_tokens is not None  # the job counts the prompt before it generates anything
     return JSONResponse(shape.response(text, event, job.prompt_tokens, p.speculative_stats(event.stats, counts)))
+
+
+def read_request(body: bytes, chat_api: bool) -> tuple[p.ChatRequest | p.CompletionRequest, GenerationSettings, dict]:
+    """The request body read and checked: the request, its settings, and api.stream's keyword arguments (the chat's
+    messages or the completion's prompt). Every problem is a 400 that says what to change."""
+    try:
+        data = json.loads(body)
+    except (ValueError, UnicodeDecodeError):
+        raise p.bad_request("the request body is not valid JSON") from None
+    except RecursionError:
+        raise p.bad_request("the request body nests arrays or objects too deeply to read") from None
+    try:
+        req = p.parse(p.ChatRequest, data) if chat_api else p.parse(p.CompletionRequest, data)
+        settings = p.settings_of(req)
+        inputs: dict[str, Any] = (
+            {"messages": p.chat_messages(req)}
+            if isinstance(req, p.ChatRequest)
+            else {"prompt": p.completion_prompt(req)}
+        )
+    except RecursionError:  # a deeply nested value where the request has room for any JSON (metadata, content)
+        raise p.bad_request("the request nests arrays or objects too deeply") from None
+    return req, settings, inputs
 
 
 def _sse(data) -> bytes:
@@ -241,7 +271,9 @@ async def stream(
         while not isinstance(event, Finished):
             assert isinstance(event, Round)
             counts.add(event)
-            text = trim.feed("".join(piece.text for piece in event.emitted))
+            text = "".join(piece.text for piece in event.emitted)
+            if stops:  # off the event loop, as every per-request check
+                text = await run_in_threadpool(trim.feed, text)
             sent += text
             if pieces:
                 extra = {
@@ -257,7 +289,7 @@ async def stream(
             elif text:
                 yield _sse(shape.chunk(text))
             event = await job.next()
-        final = p.trimmed(event.text, stops)  # the engine's final text; whatever the rounds held back comes now
+        final = await run_in_threadpool(p.trimmed, event.text, stops)  # whatever the rounds held back comes now
         if final.startswith(sent) and len(final) > len(sent):
             yield _sse(shape.chunk(final[len(sent) :]))
         reason = p.finish_reason(event.stats.stop_reason)
@@ -273,9 +305,28 @@ async def stream(
 
 
 def create_app(service: Service) -> FastAPI:
-    """A FastAPI app with just the /v1 routes (what `usd serve` runs)."""
+    """A FastAPI app with just the /v1 routes (what `usd serve` runs), bodies limited (`limits.BodyLimit`), every
+    error in OpenAI's shape. With an API key it has no /docs, /redoc or /openapi.json: a server that wants a key does
+    not describe itself to visitors without one."""
+    docs = service.api_key is None
     app = FastAPI(
-        title="usd serve", description="OpenAI-compatible server for universal speculative decoding", version="0.1.0"
+        title="usd serve",
+        description="OpenAI-compatible server for universal speculative decoding",
+        version="0.1.0",
+        docs_url="/docs" if docs else None,
+        redoc_url="/redoc" if docs else None,
+        openapi_url="/openapi.json" if docs else None,
     )
     app.include_router(create_router(service))
+    app.add_middleware(BodyLimit)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException):
+        e = (
+            unknown_route(request.method, request.url.path)
+            if exc.status_code in (404, 405)
+            else p.APIError(exc.status_code, str(exc.detail))
+        )
+        return JSONResponse(e.body(), status_code=e.status)
+
     return app
