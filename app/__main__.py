@@ -14,6 +14,8 @@ CSS_PATH = Path(__file__).resolve().parent / "app.css"
 """The app's style sheet, inside the package, so that an installed app has it too."""
 
 API_KEY_ENV = "USD_API_KEY"
+CACHE_CHECK_S = 3600
+"""How often, and past what age, Gradio deletes the files it cached (it has no reason to keep any here)."""
 
 
 def create(
@@ -64,15 +66,25 @@ def create(
 
 
 def launch(demo, host: str, port: int | None, share: bool = False, concurrency: int = 1, max_queue: int = 16, **kwargs):
+    """Serve the Blocks with what one visitor may ask of them bounded: every event that runs the models goes through
+    Gradio's queue (`api_open=False` closes the REST routes that would skip it, /gradio_api/run/...), no request
+    body is over protocol.MAX_BODY_BYTES (`BodyLimit`, also for /v1), and no upload is kept (the app has no file
+    input: `max_file_size=0` refuses every file, and what Gradio caches is deleted hourly and at exit)."""
+    from starlette.middleware import Middleware
+
+    from usd.serve.limits import BodyLimit
     from usd.serve.routes import create_router
 
-    demo.queue(default_concurrency_limit=concurrency, max_size=max_queue)
+    demo.queue(default_concurrency_limit=concurrency, max_size=max_queue, api_open=False)
+    demo.delete_cache = demo.delete_cache or (CACHE_CHECK_S, CACHE_CHECK_S)
+    app_kwargs = dict(kwargs.pop("app_kwargs", None) or {})
+    app_kwargs["middleware"] = [*app_kwargs.get("middleware", []), Middleware(BodyLimit)]
     service = getattr(demo, "usd_v1", None)
     if service is not None:  # the /v1 routes, in Gradio's own FastAPI app from its start, sharing the UI's slots
         service.slots.configure(concurrency, max_queue)
-        app_kwargs = dict(kwargs.pop("app_kwargs", None) or {})
         app_kwargs["routes"] = [*app_kwargs.get("routes", []), *create_router(service).routes]
-        kwargs["app_kwargs"] = app_kwargs
+    kwargs["app_kwargs"] = app_kwargs
+    kwargs.setdefault("max_file_size", 0)
     return demo.launch(server_name=host, server_port=port, share=share, css_paths=[CSS_PATH], **kwargs)
 
 

@@ -306,14 +306,14 @@ class Handlers:
 
     def compare_stream(self, prompt, s: GenerationSettings) -> Iterator[tuple]:
         """Plain decoding, then speculative, same prompt and seed; yields (plain, speculative, summary) states."""
-        if s.temperature > 0 and s.seed is None:
+        if not s.greedy and s.seed is None:
             s = s.replace(seed=random.randrange(1 << 31))  # both columns must share it
         plain = spec = None
         for plain in self.run(s.replace(algorithm="none", draft_tokens="auto"), prompt, chat_mode=True):
             yield plain, None, None
         for spec in self.run(s, prompt, chat_mode=True):
             yield plain, spec, None
-        greedy = s.temperature == 0
+        greedy = s.greedy
         divergence = self._divergence(prompt, plain, spec, greedy)
         summary = render.compare_summary(plain.finished, spec.finished, greedy, divergence)
         yield plain, spec, summary
@@ -375,13 +375,15 @@ class Handlers:
         top_k: int = DEFAULT.top_k,
         seed: int | None = DEFAULT.seed,
         max_new_tokens: int = DEFAULT.max_new_tokens,
-    ) -> tuple[str, str, dict]:
-        """Plain target decoding, then speculative decoding, same prompt and seed. Returns (plain_text,
-        speculative_text, summary) with summary holding identical, plain_s, speculative_s, speedup."""
+    ) -> Iterator[tuple[str, str, dict]]:
+        """Plain target decoding, then speculative decoding, same prompt and seed. Streams (plain_text,
+        speculative_text, summary): the texts so far with an empty summary, and last the final texts with the summary
+        (identical, plain_s, speculative_s, speedup). It streams so that a cancel stops it within a round (Gradio
+        closes a cancelled generator; a plain function would run both halves to the end)."""
         knobs = (algorithm, draft_tokens, temperature, top_p, top_k, seed, max_new_tokens)
         prompt, s = self.checked(prompt, knobs, target, drafter)
-        *_, (plain, spec, summary) = self.compare_stream(prompt, s)
-        return plain.finished.text, spec.finished.text, summary
+        for plain, spec, summary in self.compare_stream(prompt, s):
+            yield render.answer_text(plain), render.answer_text(spec) if spec else "", summary or {}
 
     # --- pair ------------------------------------------------------------------------------------------------------
 
