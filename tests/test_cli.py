@@ -296,3 +296,40 @@ def test_good_settings_reach_loading(no_loading):
                 "3",
             ]
         )
+
+
+needs_llamacpp = pytest.mark.skipif(
+    not __import__("usd.llamacpp").llamacpp.available(), reason="the catalog's gguf defaults need llama-cpp-python"
+)
+
+
+@needs_llamacpp
+def test_bench_refuses_hf_on_gguf_models_before_loading(no_loading, capsys):
+    """Issue 27 point 9: the hf reference deep-copied a llama.cpp model and died with "cannot pickle 'module'
+    object". transformers' assisted generation needs transformers models; the refusal says how to get them."""
+    assert _exit_code(["bench", "--algorithms", "none,hf", "--limit", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    assert "needs transformers models, but " in err and " load as gguf on llama.cpp here" in err
+    assert "add --precision fp32" in err
+
+
+@needs_llamacpp
+def test_bench_leaves_hf_out_of_its_default_algorithms_on_gguf_models(monkeypatch, tmp_path):
+    import usd.api
+    import usd.bench.run
+
+    chosen = []
+
+    def bench(pair, prompts, algorithms, *args, **kwargs):
+        chosen.append(algorithms)
+        raise ValueError("stop here")
+
+    monkeypatch.setattr(usd.api, "load_pair", lambda *a, **k: None)
+    monkeypatch.setattr(usd.bench.run, "bench", bench)
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "hi"}\n')
+    assert _exit_code(["bench", "--dataset", str(prompts)]) == 2
+    assert chosen == [["none", "tli", "slem", "auto"]]
+    assert _exit_code(["bench", "--dataset", str(prompts), "--precision", "fp32"]) == 2
+    assert chosen[-1] == ["none", "tli", "slem", "auto", "hf"]

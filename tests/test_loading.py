@@ -111,3 +111,35 @@ def test_local_directory_loads_through_the_same_code(catalog, tiny_llama_dir):
     lm = load_model(str(tiny_llama_dir), device="cpu", precision="fp32", catalog=catalog, log=lambda m: None)
     assert lm.model.config.hidden_size == 64
     assert lm.tokenizer.eos_token == "<|im_end|>"
+
+
+@pytest.fixture(scope="module")
+def tiny_mamba_dir(tmp_path_factory):
+    """A random MambaForCausalLM from config with a tiny tokenizer, saved in hub layout (no download)."""
+    import tiny_tokenizers as tiny
+    from transformers import MambaConfig, MambaForCausalLM
+
+    d = tmp_path_factory.mktemp("tiny-mamba")
+    tok = tiny.target()
+    config = MambaConfig(
+        vocab_size=len(tok), hidden_size=32, state_size=4, num_hidden_layers=2, eos_token_id=tok.eos_token_id
+    )
+    torch.manual_seed(0)
+    MambaForCausalLM(config).save_pretrained(d)
+    tok.save_pretrained(d)
+    return d
+
+
+def test_a_model_without_attention_sizes_gets_an_estimate_from_its_parameters(catalog, tiny_mamba_dir):
+    """Issue 27 point 10: a Mamba config has no num_attention_heads, and the memory estimate died of an
+    AttributeError. Without attention there is no KV cache to count: the weights (counted from the config) and the
+    runtime are the estimate, and the model loads."""
+    from transformers import AutoConfig
+
+    entry = entry_for(str(tiny_mamba_dir), catalog)
+    config = AutoConfig.from_pretrained(tiny_mamba_dir)
+    linear, other = loading.count_params(config)
+    plan = plan_load(entry, "cpu", "fp32", config)
+    assert plan.estimate_bytes == 4 * (linear + other) + loading._RUNTIME_OVERHEAD["cpu"]
+    lm = load_model(str(tiny_mamba_dir), device="cpu", precision="fp32", catalog=catalog, log=lambda m: None)
+    assert type(lm.model).__name__ == "MambaForCausalLM"

@@ -187,10 +187,14 @@ def count_params(config) -> tuple[int, int]:
 
 
 def _kv_bytes(config, tokens: int, bytes_per: int) -> int:
+    """The KV cache of `tokens` positions, from the attention sizes a config gives; 0 for a config without them
+    (a state-space model such as Mamba keeps a small state of fixed size instead, inside the runtime overhead)."""
     text = config.get_text_config()
-    layers = getattr(text, "num_hidden_layers", 0)
-    heads = getattr(text, "num_key_value_heads", 0) or getattr(text, "num_attention_heads", 0)
-    head_dim = getattr(text, "head_dim", 0) or (text.hidden_size // max(1, text.num_attention_heads))
+    layers = getattr(text, "num_hidden_layers", None) or 0
+    attention_heads = getattr(text, "num_attention_heads", None) or 0
+    heads = getattr(text, "num_key_value_heads", None) or attention_heads
+    hidden = getattr(text, "hidden_size", None) or 0
+    head_dim = getattr(text, "head_dim", None) or (hidden // attention_heads if attention_heads else 0)
     return 2 * layers * heads * head_dim * tokens * bytes_per
 
 

@@ -35,6 +35,7 @@ ALGORITHMS = (*settings.ALGORITHMS, "hf", "llamacpp")
 generation, and `llamacpp`, llama-cpp-python's own generate on the target's GGUF (what a CPU user would otherwise
 run)."""
 REFERENCES = ("hf", "llamacpp")
+DEFAULT_ALGORITHMS = ("none", "tli", "slem", "auto")
 """Not ours: they run once per prompt at their own draft length (none), and have no rounds or acceptance."""
 SWEEP_K = tuple(range(1, 9))
 """`--draft-tokens sweep`: every drafting algorithm at each of these draft lengths."""
@@ -303,6 +304,10 @@ def machine(pair: Pair) -> dict:
     }
 
 
+def _on_llamacpp(model) -> bool:
+    return hasattr(model, "new_context")  # a runner that brings its own contexts (pair.open_context): llama.cpp's
+
+
 def bench(
     pair: Pair,
     prompts: list[Prompt],
@@ -316,6 +321,11 @@ def bench(
     params = params or SamplingParams()
     algorithms = [a for a in algorithms if a != "standard" or pair.same_tokenizer]
     plan = variants(algorithms, k)
+    if "hf" in algorithms:
+        models = ((pair.target_name, pair.target), (pair.drafter_name or "the drafter", pair.drafter))
+        on_llamacpp = [name for name, model in models if _on_llamacpp(model)]
+        if on_llamacpp:
+            raise ValueError(hf_needs_transformers(on_llamacpp))
     hf_drafter = copy.deepcopy(pair.drafter) if "hf" in algorithms else None
     llm = reference_llama(pair) if "llamacpp" in algorithms else None
 
@@ -365,8 +375,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--limit", type=int, default=20, help="how many prompts (default 20)")
     p.add_argument(
         "--algorithms",
-        default="none,tli,slem,auto,hf",
-        help=f"comma-separated, from {','.join(ALGORITHMS)} (default none,tli,slem,auto,hf)",
+        help=f"comma-separated, from {','.join(ALGORITHMS)} (default {','.join(DEFAULT_ALGORITHMS)}, and hf when "
+        "both models run on transformers: hf needs transformers models, not llama.cpp's)",
     )
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-p", type=float, default=1.0)
@@ -424,15 +434,45 @@ def pairs_to_run(args, catalog) -> list[tuple[str | None, str | None]]:
     return ready
 
 
+def hf_needs_transformers(gguf_names: list[str]) -> str:
+    return (
+        f"the hf reference (transformers' assisted generation) needs transformers models, but "
+        f"{' and '.join(gguf_names)} load as gguf on llama.cpp here: add --precision fp32 to load both on "
+        "transformers, or leave hf out of --algorithms"
+    )
+
+
+def gguf_models(pairs, catalog, device: str | None, precision: Precision | None) -> list[str]:
+    """The models of `pairs` that would load as gguf (on llama.cpp), known before loading any."""
+    from ..loading import choose_precision, default_device, entry_for
+
+    names = []
+    for target, drafter in pairs:
+        for spec in (target or catalog.default.target, drafter or catalog.default.drafter):
+            entry = entry_for(spec, catalog)
+            if choose_precision(entry, device or default_device(), precision)[0] == "gguf" and entry.name not in names:
+                names.append(entry.name)
+    return names
+
+
 def run_cli(args, catalog=None) -> int:
     from ..api import load_pair
     from ..catalog import load_catalog
 
     catalog = catalog or load_catalog()
-    algorithms = [a.strip() for a in args.algorithms.split(",") if a.strip()]
+    pairs = pairs_to_run(args, catalog)
+    if args.algorithms is None:
+        on_llamacpp = gguf_models(pairs, catalog, args.device, args.precision)
+        algorithms = list(DEFAULT_ALGORITHMS) + ([] if on_llamacpp else ["hf"])
+    else:
+        algorithms = [a.strip() for a in args.algorithms.split(",") if a.strip()]
     unknown = [a for a in algorithms if a not in ALGORITHMS]
     if unknown:
         raise ValueError(f"unknown algorithm(s) {', '.join(unknown)}; choose from {', '.join(ALGORITHMS)}")
+    if "hf" in algorithms:
+        on_llamacpp = gguf_models(pairs, catalog, args.device, args.precision)
+        if on_llamacpp:
+            raise ValueError(hf_needs_transformers(on_llamacpp))
     k = parse_k(args.draft_tokens)
     if "llamacpp" in algorithms:
         from .. import llamacpp
@@ -445,7 +485,7 @@ def run_cli(args, catalog=None) -> int:
     log = lambda m: print(m, file=sys.stderr)  # noqa: E731
     params = SamplingParams(args.temperature, args.top_k, args.top_p, args.seed)
     results = []
-    for target, drafter in pairs_to_run(args, catalog):
+    for target, drafter in pairs:
         pair = load_pair(target, drafter, catalog=catalog, device=args.device, precision=args.precision, log=log)
         result = bench(pair, prompts, algorithms, k, params, args.max_new_tokens, log=log)
         result["settings"]["dataset"] = args.dataset
