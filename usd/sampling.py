@@ -36,7 +36,9 @@ class SamplingParams:
 
 
 def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """[..., V] logits -> [..., V] float32 probabilities after the user's settings (one-hot when greedy)."""
+    """[..., V] logits -> [..., V] float32 probabilities after the user's settings (one-hot when greedy). Never NaN
+    for finite logits at any accepted setting: a temperature that is not greedy is at least settings.GREEDY_BELOW,
+    so logits / T stays far inside float32's range, and top-k and top-p always keep the top token."""
     logits = logits.float()
     if params.greedy:
         return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()
