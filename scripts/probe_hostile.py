@@ -102,9 +102,9 @@ def serve_probes(base: str, pid: int | None, big_mb: int) -> None:
     model = httpx.get(f"{v1}/models", timeout=30).json()["data"][0]["id"]
     models = f"{v1}/models"
     ask = {"model": model, "prompt": "def add(a, b):", "max_tokens": 8}
-    probe("stop 1 MB", models, pid, lambda: post(f"{v1}/completions", {**ask, "stop": "ab" * (MiB // 4)}))
+    probe("stop 0.5 MB", models, pid, lambda: post(f"{v1}/completions", {**ask, "stop": "ab" * (MiB // 4)}))
     probe(
-        "stop 1 MB, streamed",
+        "stop 0.5 MB, streamed",
         models,
         pid,
         lambda: post(f"{v1}/completions", {**ask, "stream": True, "stop": "ab" * (MiB // 4)}),
@@ -155,7 +155,7 @@ def app_probes(base: str, pid: int | None, compare_tokens: int) -> None:
     v1 = f"{base}/v1"
     model = httpx.get(f"{v1}/models", timeout=30).json()["data"][0]["id"]
     ask = {"model": model, "prompt": "def add(a, b):", "max_tokens": 8, "stop": "ab" * (MiB // 4)}
-    probe("/v1 stop 1 MB", config, pid, lambda: post(f"{v1}/completions", ask))
+    probe("/v1 stop 0.5 MB", config, pid, lambda: post(f"{v1}/completions", ask))
 
 
 def main() -> None:

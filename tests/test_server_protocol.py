@@ -201,3 +201,31 @@ def test_errors_beyond_the_routes_have_openais_shape():
     assert set(e.body()["error"]) == {"message", "type", "param", "code"}
     e = p.too_large(p.MAX_BODY_BYTES, 30_000_000)
     assert e.status == 413 and "over the server's limit of 4,194,304 bytes (this one is 30,000,000 bytes)" in e.message
+
+
+@pytest.mark.parametrize("kind", ["byte-level", "sentencepiece"])
+def test_a_prompt_is_refused_by_its_bytes_only_when_its_tokens_could_not_fit(tiny_tokenizers, kind):
+    """api.check_size refuses before tokenizing, from lower bounds on the token count: never a prompt that fits.
+    Random texts of words, punctuation, runs of spaces and characters outside the vocabularies (byte fallback)."""
+    import random
+
+    from usd import api, chat
+    from usd.pair import Pair
+
+    tokenizer = tiny_tokenizers["target" if kind == "byte-level" else "sentencepiece"]
+    pair = Pair(None, tokenizer, context_length=64)
+    rng = random.Random(0)
+    pieces = ["def", " fibonacci", "(n)", ":", " ", "    ", "\n", "=" * 8, ", ", "日本", "🎉", "Écrivez", "42"]
+    pieces.append("<|im_end|>")
+    refused = 0
+    for _ in range(300):
+        text = "".join(rng.choice(pieces) for _ in range(rng.randint(1, 400)))
+        try:
+            api.check_size(pair, text)
+        except api.ContextLengthError as e:
+            refused += 1
+            assert "at least" in str(e)
+            assert len(chat.target_ids(pair, text)) >= pair.context_length, text
+    assert refused > 20  # the test is not vacuous
+    with pytest.raises(api.ContextLengthError, match=r"the prompt is 2,000,000 bytes, at least [\d,]+ tokens"):
+        api.check_size(pair, "word " * 400_000)

@@ -13,7 +13,9 @@ done = usd.generate(pair, "Once upon a time", settings=creative, seed=2)
 from __future__ import annotations
 
 import threading
+import weakref
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Literal
 
 from . import chat, decoder, numerics, suggest
@@ -140,21 +142,28 @@ def count_prompt(
 
 
 def check_size(pair: Pair, prompt: str | None = None, messages: list[dict] | None = None) -> None:
-    """Refuse a text too long for the context before it is tokenized (ContextLengthError): no token holds more bytes
-    than the vocabulary's longest, so n bytes are at least n / longest tokens, once the tokenizer's normalizer has had
-    its way (Unicode composition, NFC or NFKC, shortens a text at most threefold: Hangul jamo)."""
+    """Refuse a text too long for the context before it is tokenized (ContextLengthError), from two lower bounds on
+    its tokens that cost one pass over its bytes (a 4 MB prompt would take seconds and gigabytes to tokenize): no
+    token holds more ASCII letters and digits than the vocabulary's richest in them (normalizers do not remove ASCII
+    letters), and none more bytes than its longest, once the normalizer has had its way (Unicode composition, NFC or
+    NFKC, shortens a text at most threefold: Hangul jamo)."""
     if not pair.context_length:
         return
-    size = sum(len(text.encode()) for text in _texts(prompt, messages))
-    tokens_at_least = size // (_NORMALIZED_SHRINKS_AT_MOST * longest_token_bytes(pair))
+    data = b"".join(text.encode() for text in _texts(prompt, messages))
+    limits = _token_limits(pair.target_tokenizer, pair.target_bytes)
+    by_letters = -(-len(data.translate(None, _NOT_ASCII_ALNUM)) // limits.ascii_alnum)
+    by_bytes = len(data) // (_NORMALIZED_SHRINKS_AT_MOST * limits.bytes)
+    tokens_at_least = max(by_letters, by_bytes)
     if tokens_at_least >= pair.context_length:
         raise ContextLengthError(
-            f"the prompt is {size:,} bytes, at least {tokens_at_least:,} tokens: longer than {pair.target_name}'s "
+            f"the prompt is {len(data):,} bytes, at least {tokens_at_least:,} tokens: longer than {pair.target_name}'s "
             f"context of {pair.context_length:,} tokens; shorten it or start a new chat"
         )
 
 
 _NORMALIZED_SHRINKS_AT_MOST = 3
+_NOT_ASCII_ALNUM = bytes(b for b in range(256) if not (chr(b).isascii() and chr(b).isalnum()))
+"""`bytes.translate(None, _NOT_ASCII_ALNUM)` keeps a text's ASCII letters and digits."""
 
 
 def _texts(prompt: str | None, messages: list[dict] | None) -> list[str]:
@@ -164,11 +173,26 @@ def _texts(prompt: str | None, messages: list[dict] | None) -> list[str]:
     return [m["content"] for m in chat.check_messages(messages)]
 
 
-def longest_token_bytes(pair: Pair) -> int:
-    """The most bytes one target token stands for (its ordinary tokens' and its special ones')."""
-    tb = pair.target_bytes
-    ordinary = max(map(len, tb.bytes_of.values()), default=1)
-    return max(ordinary, max((len(s.encode()) for s in tb.specials.values()), default=1))
+@dataclass(frozen=True)
+class _TokenLimits:
+    bytes: int
+    """The most bytes one token stands for."""
+    ascii_alnum: int
+    """The most ASCII letters and digits one token holds."""
+
+
+_LIMITS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+"""tokenizer -> its _TokenLimits, computed once (a pass over a vocabulary of 150k tokens)."""
+
+
+def _token_limits(tokenizer, tb) -> _TokenLimits:
+    if tokenizer not in _LIMITS:
+        spelled = [*tb.bytes_of.values(), *(s.encode() for s in tb.specials.values())]
+        _LIMITS[tokenizer] = _TokenLimits(
+            bytes=max(map(len, spelled), default=1),
+            ascii_alnum=max(max((len(b.translate(None, _NOT_ASCII_ALNUM)) for b in spelled), default=1), 1),
+        )
+    return _LIMITS[tokenizer]
 
 
 def generate(pair: Pair, prompt: str | None = None, **kwargs) -> Finished:
