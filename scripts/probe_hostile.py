@@ -113,6 +113,11 @@ def serve_probes(base: str, pid: int | None, big_mb: int) -> None:
     probe(f"chat body {big_mb} MB", models, pid, lambda: post(f"{v1}/chat/completions", body.encode()))
     prompt = {"model": model, "prompt": "word " * (2 * MiB // 5), "max_tokens": 4}
     probe("ten 2 MB prompts at once", models, pid, lambda: in_parallel(10, lambda i: post(f"{v1}/completions", prompt)))
+    # no letters or digits: the cheap bounds let it through, so it is tokenized whole
+    marks = {**prompt, "prompt": ", " * (MiB // 2)}
+    probe(
+        "ten 1 MB prompts of commas", models, pid, lambda: in_parallel(10, lambda i: post(f"{v1}/completions", marks))
+    )
 
 
 def app_probes(base: str, pid: int | None, compare_tokens: int) -> None:

@@ -229,3 +229,40 @@ def test_a_prompt_is_refused_by_its_bytes_only_when_its_tokens_could_not_fit(tin
     assert refused > 20  # the test is not vacuous
     with pytest.raises(api.ContextLengthError, match=r"the prompt is 2,000,000 bytes, at least [\d,]+ tokens"):
         api.check_size(pair, "word " * 400_000)
+
+
+def test_long_prompts_are_tokenized_two_at_a_time_and_short_ones_never_wait(tiny_tokenizers, monkeypatch):
+    """Ten long prompts tokenized at once took both cores and gigabytes (issue 27 point 2); they take turns now."""
+    from usd import api, chat
+    from usd.pair import Pair
+    from usd.settings import GenerationSettings
+
+    pair = Pair(None, tiny_tokenizers["target"], context_length=10_000_000)
+    running, most, short_waited = [0], [0], []
+    lock = threading.Lock()
+    real = chat.target_ids
+
+    def counting(pair, prompt=None, messages=None):
+        if len(prompt) < 1000:
+            return real(pair, prompt, messages)
+        with lock:
+            running[0] += 1
+            most[0] = max(most[0], running[0])
+        time.sleep(0.2)
+        with lock:
+            running[0] -= 1
+        return real(pair, prompt, messages)
+
+    monkeypatch.setattr(chat, "target_ids", counting)
+    long = ", " * 40_000  # no letters: past the cheap bounds, tokenized
+    threads = [threading.Thread(target=api.count_prompt, args=(pair, GenerationSettings(), long)) for _ in range(6)]
+    for t in threads:
+        t.start()
+    time.sleep(0.05)
+    t0 = time.perf_counter()
+    api.count_prompt(pair, GenerationSettings(), "a short prompt")
+    short_waited.append(time.perf_counter() - t0)
+    for t in threads:
+        t.join()
+    assert most[0] == 2
+    assert short_waited[0] < 0.4, "a short prompt waited behind the long ones"  # they take 0.6 s in all

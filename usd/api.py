@@ -12,6 +12,7 @@ done = usd.generate(pair, "Once upon a time", settings=creative, seed=2)
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import weakref
 from collections.abc import Iterator
@@ -54,7 +55,7 @@ def load_pair(
             log=log,
         )
     limits = [n for n in (getattr(t.model.config, "max_position_embeddings", None), t_entry.context_length) if n]
-    return Pair(
+    pair = Pair(
         t.model,
         t.tokenizer,
         d.model if d else None,
@@ -63,6 +64,9 @@ def load_pair(
         drafter_name=d.name if d else None,
         context_length=min(limits) if limits else None,
     )
+    # the target's vocabulary read now, not in a server's first request: reading it holds the interpreter a second
+    _token_limits(pair)
+    return pair
 
 
 def stream(
@@ -134,23 +138,31 @@ def count_prompt(
     pair: Pair, settings: GenerationSettings, prompt: str | None = None, messages: list[dict] | None = None
 ) -> int:
     """The target tokens of a prompt (or conversation), checked against the context with `settings.max_new_tokens`
-    as `check_context` does, and first as `check_size` does."""
-    check_size(pair, prompt, messages)
-    n = len(chat.target_ids(pair, prompt, messages))
+    as `check_context` does, and first as `check_size` does. A long prompt that passes check_size waits for one of
+    few turns to be tokenized (`_LONG_PROMPTS`); a short one never waits."""
+    size = check_size(pair, prompt, messages)
+    with _LONG_PROMPTS if size > _LONG_PROMPT_BYTES else contextlib.nullcontext():
+        n = len(chat.target_ids(pair, prompt, messages))
     check_context(pair, n, settings.max_new_tokens)
     return n
 
 
-def check_size(pair: Pair, prompt: str | None = None, messages: list[dict] | None = None) -> None:
+_LONG_PROMPT_BYTES = 1 << 16
+_LONG_PROMPTS = threading.BoundedSemaphore(2)
+"""Long prompts are tokenized two at a time: a long one costs the tokenizer much time and memory (it keeps offsets and
+strings per token), and ten at once stalled everything else."""
+
+
+def check_size(pair: Pair, prompt: str | None = None, messages: list[dict] | None = None) -> int:
     """Refuse a text too long for the context before it is tokenized (ContextLengthError), from two lower bounds on
     its tokens that cost one pass over its bytes (a 4 MB prompt would take seconds and gigabytes to tokenize): no
     token holds more ASCII letters and digits than the vocabulary's richest in them (normalizers do not remove ASCII
     letters), and none more bytes than its longest, once the normalizer has had its way (Unicode composition, NFC or
-    NFKC, shortens a text at most threefold: Hangul jamo)."""
-    if not pair.context_length:
-        return
+    NFKC, shortens a text at most threefold: Hangul jamo). Returns the text's size in bytes."""
     data = b"".join(text.encode() for text in _texts(prompt, messages))
-    limits = _token_limits(pair.target_tokenizer, pair.target_bytes)
+    if not pair.context_length:
+        return len(data)
+    limits = _token_limits(pair)
     by_letters = -(-len(data.translate(None, _NOT_ASCII_ALNUM)) // limits.ascii_alnum)
     by_bytes = len(data) // (_NORMALIZED_SHRINKS_AT_MOST * limits.bytes)
     tokens_at_least = max(by_letters, by_bytes)
@@ -159,6 +171,7 @@ def check_size(pair: Pair, prompt: str | None = None, messages: list[dict] | Non
             f"the prompt is {len(data):,} bytes, at least {tokens_at_least:,} tokens: longer than {pair.target_name}'s "
             f"context of {pair.context_length:,} tokens; shorten it or start a new chat"
         )
+    return len(data)
 
 
 _NORMALIZED_SHRINKS_AT_MOST = 3
@@ -183,16 +196,22 @@ class _TokenLimits:
 
 _LIMITS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 """tokenizer -> its _TokenLimits, computed once (a pass over a vocabulary of 150k tokens)."""
+_LIMITS_LOCK = threading.Lock()
+"""One thread reads the vocabulary: ten requests arriving at once each reading it would hold the interpreter for
+seconds between them (and stall the server's event loop)."""
 
 
-def _token_limits(tokenizer, tb) -> _TokenLimits:
-    if tokenizer not in _LIMITS:
-        spelled = [*tb.bytes_of.values(), *(s.encode() for s in tb.specials.values())]
-        _LIMITS[tokenizer] = _TokenLimits(
-            bytes=max(map(len, spelled), default=1),
-            ascii_alnum=max(max((len(b.translate(None, _NOT_ASCII_ALNUM)) for b in spelled), default=1), 1),
-        )
-    return _LIMITS[tokenizer]
+def _token_limits(pair: Pair) -> _TokenLimits:
+    with _LIMITS_LOCK:
+        tokenizer = pair.target_tokenizer
+        if tokenizer not in _LIMITS:
+            tb = pair.target_bytes
+            spelled = [*tb.bytes_of.values(), *(s.encode() for s in tb.specials.values())]
+            _LIMITS[tokenizer] = _TokenLimits(
+                bytes=max(map(len, spelled), default=1),
+                ascii_alnum=max(max((len(b.translate(None, _NOT_ASCII_ALNUM)) for b in spelled), default=1), 1),
+            )
+        return _LIMITS[tokenizer]
 
 
 def generate(pair: Pair, prompt: str | None = None, **kwargs) -> Finished:
