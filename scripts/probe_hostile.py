@@ -126,7 +126,13 @@ def app_probes(base: str, pid: int | None, compare_tokens: int) -> None:
     config = f"{base}/config"
     ui = Client(base, verbose=False)
 
+    def generate_s() -> float:
+        t0 = time.perf_counter()
+        ui.predict(prompt="Hi", max_new_tokens=4, api_name="/generate")
+        return time.perf_counter() - t0
+
     def cancel_compare() -> str:
+        alone = generate_s()  # the same request with nothing before it, for scale on a busy machine
         job = ui.submit(
             prompt="Count from 1 to 400, one number per line.",
             temperature=0,
@@ -135,9 +141,7 @@ def app_probes(base: str, pid: int | None, compare_tokens: int) -> None:
         )
         time.sleep(6)
         job.cancel()
-        t0 = time.perf_counter()
-        ui.predict(prompt="Hi", max_new_tokens=4, api_name="/generate")
-        return f"next /generate answered {time.perf_counter() - t0:.1f} s after the cancel"
+        return f"next /generate answered {generate_s():.1f} s after the cancel ({alone:.1f} s alone)"
 
     probe("cancel /compare", config, pid, cancel_compare)
 
