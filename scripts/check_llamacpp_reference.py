@@ -1,9 +1,9 @@
 """Our plain greedy decoding on the llama.cpp runner against llama-cpp-python's own generate of the same GGUF, with
 llama.cpp's default matmul kernels in both (repacked weights, the tiled matmul) and, given to `Llama`, the attention
-settings our runner needs (flash attention, f16 K and bf16 V cache): the tokens must be the same, since our runner
-reads a prompt in one batch and then a token at a time, as llama.cpp's generate does (usd/llamacpp.py). This checks
-the runner's loop, cache and kernel layout against llama.cpp's own. `--plain-weights` checks the other weight layout
-(both sides without repacking).
+settings our runner needs (flash attention, f16 K and bf16 V cache): the tokens must be the same, since our runner reads
+a prompt in one batch and then a token at a time, as llama.cpp's generate does (usd/runners/llamacpp/kernels.py). This
+checks the runner's loop, cache and kernel layout against llama.cpp's own. `--plain-weights` checks the other weight
+layout (both sides without repacking).
 
 llama.cpp's default attention (no flash attention, an f16 cache) computes a prompt's attention with a batched kernel
 and one token's with another; a batch-invariant runner cannot reproduce both, so `usd bench`'s `llamacpp` row (the
@@ -21,9 +21,10 @@ import llama_cpp
 import llama_cpp.llama_cpp as low_level
 
 import usd
-from usd import decoder, llamacpp
+from usd import decoder
 from usd.bench.run import _ids, forget_caches
 from usd.datasets import load_prompts
+from usd.runners import llamacpp
 from usd.sampling import SamplingParams
 
 MAX_NEW = 64
@@ -52,6 +53,7 @@ def main(dataset: str, n: int, repacked: bool) -> int:
             loaded.path, n_ctx=loaded.n_ctx, name=loaded.name_or_path, repacked_weights=False
         )
         pair.target.generation_config = loaded.generation_config
+        pair.target_runner = pair.target
     llm = reference_with_our_attention(pair.target, repacked)
     eos = pair.eos_ids()
     same = 0

@@ -1,9 +1,9 @@
 #!/usr/bin/env python
-"""GPU check for the loading code: a random-weight Llama (hidden size 256) built from config, loaded 4-bit NF4 and
-8-bit through `usd.loading.load_model` on the GPU, 16 generated tokens each, and the memory used; then, on the
-decoding steps the load chose (usd/static_cache.py: on a GPU it times transformers' cache, a static one and a
-compiled step), 32 tokens of our plain decoding against `standard` speculation with the model as its own drafter.
-Random weights make near-ties likely, so a difference is reported with its gap (usd.numerics), not asserted.
+"""GPU check for the loading code: a random-weight Llama (hidden size 256) built from config, loaded 4-bit NF4 and 8-bit
+through `usd.loading.load_model` on the GPU, 16 generated tokens each, and the memory used; then, on the decoding steps
+the load chose (usd/runners/transformers/steps.py: on a GPU it times transformers' cache, a static one and a compiled
+step), 32 tokens of our plain decoding against `standard` speculation with the model as its own drafter. Random weights
+make near-ties likely, so a difference is reported with its gap (usd.numerics), not asserted.
 
     python scripts/gpu_check_quantized.py                      # on a CUDA machine: nf4, int8, bf16
     python scripts/gpu_check_quantized.py --device cpu --precisions fp32   # the same path on a CPU (the test runs it)
@@ -95,7 +95,6 @@ def speculation_check(lm) -> dict:
     from usd.decoder import stream
     from usd.numerics import divergence
     from usd.pair import Pair
-    from usd.static_cache import step_kind
 
     pair = Pair(lm.model, lm.tokenizer, lm.model, lm.tokenizer, "check", "check")
     ids = lm.tokenizer.encode("speculative decoding is")
@@ -105,7 +104,11 @@ def speculation_check(lm) -> dict:
         *_, done = stream(pair, ids, ids, algorithm=algorithm, k=k, max_new_tokens=32, probe_first=False)
         seconds[algorithm], answers[algorithm] = round(time.perf_counter() - t0, 3), list(done.target_ids)
     plain, spec = answers["none"], answers["standard"]
-    row = {"decoding_steps": step_kind(lm.model), "loop_s": seconds, "standard_equals_plain": spec == plain}
+    row = {
+        "decoding_steps": getattr(lm.runner, "steps", "gguf"),
+        "loop_s": seconds,
+        "standard_equals_plain": spec == plain,
+    }
     if spec != plain:
         first = next(
             (i for i, (a, b) in enumerate(zip(plain, spec, strict=False)) if a != b), min(len(plain), len(spec))

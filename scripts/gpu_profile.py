@@ -4,13 +4,13 @@
     python scripts/gpu_profile.py --model llama-3.1-8b@nf4 --model llama-3.1-8b@bf16 --model smollm2-135m@bf16 \\
         --out usd/profiles/h200.json
 
-NAME is a config in scripts/configs/ (or a path to a config.json); PRECISION one of nf4, int8 (bitsandbytes, CUDA
-only), bf16, fp16, fp32. Each model is timed the way the decode loop uses it (usd.pair.Context): after a prompt of
---context tokens, a single-token step and a verify forward of k + 1 tokens for k = 1..--k-max, each the median of
---reps runs, with the cache cropped back after each. `--steps dynamic,static,compiled` times each model on each
-kind of decoding step a GPU may choose at load (usd/static_cache.py); kinds other than transformers' own cache are
-keyed NAME@PRECISION#KIND. `--tiny` shrinks every config to two small layers: the CPU
-smoke test that keeps this script working on machines without a GPU.
+NAME is a config in scripts/configs/ (or a path to a config.json); PRECISION one of nf4, int8 (bitsandbytes, CUDA only),
+bf16, fp16, fp32. Each model is timed the way the decode loop uses it (usd.runners.transformers.Context): after a prompt
+of --context tokens, a single-token step and a verify forward of k + 1 tokens for k = 1..--k-max, each the median of
+--reps runs, with the cache cropped back after each. `--steps dynamic,static,compiled` times each model on each kind of
+decoding step a GPU may choose at load (usd/runners/transformers/static_cache.py); kinds other than transformers' own
+cache are keyed NAME@PRECISION#KIND. `--tiny` shrinks every config to two small layers: the CPU smoke test that keeps
+this script working on machines without a GPU.
 """
 
 from __future__ import annotations
@@ -30,8 +30,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from usd.loading import bnb_config, torch_dtype  # noqa: E402
-from usd.pair import Context, open_context  # noqa: E402
-from usd.static_cache import KINDS, use_step  # noqa: E402
+from usd.runners.transformers import Context, TransformersRunner  # noqa: E402
+from usd.runners.transformers.static_cache import KINDS  # noqa: E402
 
 CONFIGS = Path(__file__).resolve().parent / "configs"
 TINY = {
@@ -105,8 +105,8 @@ def profile_model(spec: str, device: str, context: int, k_max: int, reps: int, t
     prompt = torch.randint(cfg.vocab_size, (context,)).tolist()  # the same context for every kind
     out = {}
     for step in steps:
-        use_step(model, step)  # which decoding steps (usd/static_cache.py): transformers' cache, static, compiled
-        ctx = open_context(model, prompt)
+        # which decoding steps (usd/runners/transformers/static_cache.py): transformers' cache, static, compiled
+        ctx = TransformersRunner(model, step).new_context(prompt)
         ctx.forward(keep=1)  # prefill
         timed(ctx, 1, 3)  # warm-up: kernels, allocator, a compile
         out[step] = {

@@ -22,10 +22,10 @@ from pathlib import Path
 import torch
 import transformers
 
-from usd import cpu_kernels
 from usd.catalog import load_catalog
 from usd.loading import load_model
-from usd.pair import open_context
+from usd.runners import runner_for
+from usd.runners.transformers import cpu_kernels
 
 FUNC = 'def add_{i}(x):\n    """Return x plus {i}."""\n    return x + {i}\n\n\n'
 PROMPT = "".join(FUNC.format(i=i) for i in range(14))
@@ -34,7 +34,7 @@ STEPS, REPS, KS = 16, 5, range(1, 9)
 
 def decode_rate(model, ids) -> float:
     """Greedy tokens per second of plain decoding after the prompt (prefill not counted)."""
-    ctx = open_context(model, ids[:-1])
+    ctx = runner_for(model).new_context(ids[:-1])
     ctx.forward(keep=1)
     ctx.ids.append(ids[-1])
     t0 = time.perf_counter()
@@ -45,7 +45,7 @@ def decode_rate(model, ids) -> float:
 
 def forward_times(model, ids) -> dict:
     """Median seconds of a forward of 1 new token (step_s) and of k+1 new tokens (verify_s[k])."""
-    ctx = open_context(model, ids)
+    ctx = runner_for(model).new_context(ids)
     ctx.forward(keep=1)
     n = len(ctx.ids)
     times: dict[int, list[float]] = {k: [] for k in [0, *KS]}

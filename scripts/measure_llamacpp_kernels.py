@@ -14,9 +14,10 @@ import statistics
 import sys
 import time
 
-from usd import llamacpp
 from usd.catalog import load_catalog
 from usd.loading import load_tokenizer
+from usd.runners import llamacpp
+from usd.runners.llamacpp.binding import GGML_TYPE_F16, library
 from usd.store import gguf_file, local_path
 
 FUNC = 'def add_{i}(x):\n    """Return x plus {i}."""\n    return x + {i}\n\n\n'
@@ -28,7 +29,7 @@ def timings(model: llamacpp.LlamaCppModel, ids: list[int]) -> tuple[float, float
     """(prefill seconds, decode tokens/s) from an empty cache."""
     model.forget()
     t0 = time.perf_counter()
-    model.feed(ids, 1, model.batching.prompt_kernels(len(ids)))  # as the runner reads a prompt
+    model.feed(ids, 1, model.batching.kernels([], len(ids), 1))  # as the runner reads a prompt
     prefill = time.perf_counter() - t0
     token = ids[-1]
     t0 = time.perf_counter()
@@ -38,11 +39,11 @@ def timings(model: llamacpp.LlamaCppModel, ids: list[int]) -> tuple[float, float
 
 
 def main(name: str) -> None:
-    lib = llamacpp._lib()
+    lib = library()
     entry = load_catalog().get(name)
     path = gguf_file(entry, log=lambda m: None)
     ids = load_tokenizer(entry, local_path(entry)).encode(PROMPT)
-    f16, no_fa = llamacpp.GGML_TYPE_F16, lib.LLAMA_FLASH_ATTN_TYPE_DISABLED
+    f16, no_fa = GGML_TYPE_F16, lib.LLAMA_FLASH_ATTN_TYPE_DISABLED
     settings = {
         "the runner's (flash attention, f16 K, bf16 V, repacked weights)": {},
         "plain weights": {"repacked_weights": False},

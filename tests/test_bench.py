@@ -7,11 +7,11 @@ import json
 
 import pytest
 
-from usd import llamacpp
 from usd.bench.run import ALGORITHMS, SUMMARY_KEYS, bench
 from usd.cli import main
 from usd.datasets import Prompt
 from usd.pair import Pair
+from usd.runners import llamacpp
 from usd.sampling import SamplingParams
 
 pytestmark = pytest.mark.real_models

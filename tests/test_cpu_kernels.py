@@ -1,5 +1,6 @@
-"""The CPU kernel choice (usd/cpu_kernels.py): measured once per model and machine and cached, unless the machine was
-busy while it measured; either way the model runs on the backend chosen, with the same greedy answer."""
+"""The CPU kernel choice (usd/runners/transformers/cpu_kernels.py): measured once per model and machine and cached,
+unless the machine was busy while it measured; either way the model runs on the backend chosen, with the same greedy
+answer."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import json
 import pytest
 import torch
 
-from usd import cpu_kernels
+from usd.runners.transformers import cpu_kernels
 
 
 class Tiny(torch.nn.Module):

@@ -182,9 +182,10 @@ def test_stop_string_ends_the_answer_where_plain_text_first_contains_it(pair, al
 
 @pytest.fixture(scope="module")
 def other_backend_pair(pair):
-    """The pair with its fp32 Linear layers on the other backend than the loader chose here (usd/cpu_kernels.py):
-    whichever this machine picks, both ways of running the model are held to the same bar."""
-    from usd.cpu_kernels import backend_of, use_default, use_onednn
+    """The pair with its fp32 Linear layers on the other backend than the loader chose here
+    (usd/runners/transformers/cpu_kernels.py): whichever this machine picks, both ways of running the model are held to
+    the same bar."""
+    from usd.runners.transformers.cpu_kernels import backend_of, use_default, use_onednn
 
     models = [copy.deepcopy(pair.target), copy.deepcopy(pair.drafter)]
     for m in models:

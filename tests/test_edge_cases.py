@@ -544,7 +544,7 @@ def test_drafter_resync_spells_the_committed_bytes_and_never_cuts_a_character(to
     """sync_drafter's one-token back-off can land inside a character when the drafter spelled it in byte tokens;
     it backs off to the character's start, and invalid bytes reach the drafter as its own byte tokens."""
     from usd.drafters import sync_drafter
-    from usd.pair import Context
+    from usd.runners.transformers import Context
 
     tt, dt = tok[QWEN], tok[SMOL]
     pair, _, dids = scripted_pair(tt, dt, "Say:", enc(tt, " ok"), None)

@@ -18,10 +18,11 @@ import reference_sampling as reference
 import test_decoder_distribution
 import torch
 
-from usd import api, llamacpp
+from usd import api
 from usd.decoder import stream
 from usd.loading import LoadError, load_model
 from usd.pair import Pair, model_vocab_size
+from usd.runners import llamacpp
 from usd.sampling import SamplingParams
 
 QWEN, SMOL = "qwen2.5-coder-0.5b-instruct", "smollm2-135m-instruct"
@@ -74,7 +75,7 @@ def test_a_position_has_the_same_logits_alone_and_in_a_batch(gguf, name, prompt)
         gap = llamacpp.batch_invariance(model, ids, k)
         assert gap == 0.0, (
             f"{name}: a batch of {k + 1} differs from single steps by {gap:.3g} logits; llama.cpp "
-            "picks batch-dependent kernels here: see usd/llamacpp.py's docstring"
+            "picks batch-dependent kernels here: see usd/runners/llamacpp/kernels.py"
         )
 
 
@@ -298,10 +299,10 @@ def test_a_chats_next_turn_gets_the_same_bits_undisturbed_displaced_or_from_noth
     assert torch.equal(_next_logits(model, turn2), undisturbed), "from an empty cache"
     if os.environ.get("GGML_CPU_TILED_MM", "1") != "0":  # the answer's positions on the row kernels: other bits
         model.forget()
-        model.feed(turn2[:100], 0, model.batching.prompt_kernels(100))
+        model.feed(turn2[:100], 0, model.batching.kernels([], 100, 1))
         model.feed(turn2[100:124], 24)
         tail = turn2[124:]
-        row_read = torch.from_numpy(model.feed(tail, 1, model.batching.prompt_kernels(len(tail)))[-1:])
+        row_read = torch.from_numpy(model.feed(tail, 1, model.batching.kernels([], len(tail), 1))[-1:])
         assert not torch.equal(row_read, undisturbed), "the test cannot tell the kernels apart"
         model.forget()
 
@@ -325,7 +326,7 @@ def test_no_llama_decode_call_is_longer_than_the_batch_arrays(repacked):
     kernels, covering the prompt once."""
     batching = llamacpp.Batching.for_weights(repacked)
     for n in range(llamacpp.PREFILL_MIN_ROWS, llamacpp.N_CTX_CAP + 1):
-        calls = batching.batches(batching.prompt_kernels(n))
+        calls = batching.calls(batching.kernels([], n, 1))
         sizes = [end - start for start, end in calls]
         assert max(sizes) <= llamacpp.N_BATCH, f"a prompt of {n}: calls of {sizes}"
         assert min(sizes) >= llamacpp.PREFILL_MIN_ROWS and calls[0][0] == 0 and calls[-1][1] == n, (n, calls)
@@ -336,8 +337,9 @@ def test_a_call_that_would_not_fit_is_refused_before_it_reaches_llama_cpp():
     """The last line of defence: a bug that asks for more than the C arrays hold fails as a bug, not as a write past
     them."""
     from usd.errors import InternalError
+    from usd.runners.llamacpp.cache import LlamaCache
 
-    cache = object.__new__(llamacpp.LlamaCache)  # no model needed: the check comes before anything is written
+    cache = object.__new__(LlamaCache)  # no model needed: the check comes before anything is written
     with pytest.raises(InternalError, match="llama_decode call of 513 tokens"):
         cache._decode([1] * (llamacpp.N_BATCH + 1), 0, 1)
 
@@ -398,7 +400,7 @@ def test_generations_on_several_threads_each_get_plain_decodings_answer(gguf, ma
     def run(i: int) -> None:
         got[i] = api.generate(pair, prompt=prompts[i], algorithm="tli", draft_tokens=3, max_new_tokens=24).target_ids
 
-    pair.target.max_caches = pair.drafter.max_caches = max_caches
+    pair.target.pool.max_caches = pair.drafter.pool.max_caches = max_caches
     try:
         threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
         for t in threads:
@@ -406,9 +408,9 @@ def test_generations_on_several_threads_each_get_plain_decodings_answer(gguf, ma
         for t in threads:
             t.join(300)
     finally:
-        pair.target.max_caches = pair.drafter.max_caches = llamacpp.MAX_CACHES
+        pair.target.pool.max_caches = pair.drafter.pool.max_caches = llamacpp.MAX_CACHES
     assert [got.get(i) for i in range(len(prompts))] == plain
-    assert 1 < len(pair.target.caches) <= llamacpp.MAX_CACHES or max_caches == 1
+    assert 1 < len(pair.target.pool.caches) <= llamacpp.MAX_CACHES or max_caches == 1
 
 
 @pytest.mark.real_models
@@ -430,7 +432,7 @@ def test_a_conversation_keeps_its_cache_while_another_runs(gguf):
     alone = first_conversation()[1]
     model.forget()
     b = model.new_context(tok.encode(PROMPTS[1]))
-    with model.borrow(b) as first, model.borrow(model.new_context(prompt)) as second:
+    with model.pool.borrow(b) as first, model.pool.borrow(model.new_context(prompt)) as second:
         assert first is not second
     a, got = first_conversation(before_the_step=lambda: b.forward(keep=1))
     assert a.cache is not b.cache
@@ -441,16 +443,16 @@ def test_a_conversation_keeps_its_cache_while_another_runs(gguf):
 @pytest.mark.real_models
 @needs_llama
 def test_logits_do_not_depend_on_the_thread_count(gguf):
-    """Generations at once share the cores (`LlamaCppModel.borrow`); that must not change a bit."""
+    """Generations at once share the cores (`CachePool.borrow`); that must not change a bit."""
     model, tok = gguf[QWEN]
     ids = tok.encode(LONG)[:100]
-    cache = model.caches[0]
+    cache = model.pool.caches[0]
     outs = []
     for n in (model.n_threads, 1):
         cache.set_threads(n)
         model.forget()
         outs.append(
-            np.concatenate([model.feed(ids, 1, model.batching.prompt_kernels(len(ids))), model.feed(ids[:3], 3)])
+            np.concatenate([model.feed(ids, 1, model.batching.kernels([], len(ids), 1)), model.feed(ids[:3], 3)])
         )
     cache.set_threads(model.n_threads)
     assert np.array_equal(outs[0], outs[1])

@@ -15,7 +15,8 @@ import torch
 from tiny_pairs import tiny_config
 
 from usd.decoder import stream
-from usd.pair import Pair, open_context
+from usd.pair import Pair
+from usd.runners import runner_for
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 warnings.filterwarnings("ignore", message=".*falling back to its reference PyTorch implementation.*")
@@ -95,7 +96,7 @@ def test_a_context_rolled_back_past_a_verify_equals_a_fresh_evaluation(recurrent
     evaluated from nothing (the rejected 7 and 8 must not stay in the recurrent state)."""
     name, model, _ = recurrent
     ids = [11, 12, 13, 14, 15, 16, 17, 18]
-    ctx = open_context(model, ids[:5])
+    ctx = runner_for(model).new_context(ids[:5])
     ctx.forward(keep=1)
     ctx.ids.extend(ids[5:])
     ctx.forward(keep=4)

@@ -1,8 +1,8 @@
-"""The decoding steps a GPU may choose at load time (usd/static_cache.py), run on this CPU with tiny models: a static
-cache, and one whose one-token step is compiled. The same bars as transformers' own cache: the logits of a context
-that grows, rolls back and is reused are what a fresh evaluation gives; every algorithm's greedy output is plain
-greedy's; sampling is distributed as plain sampling. And the choice between kinds is the measured fastest, cached,
-and survives a kind that fails.
+"""The decoding steps a GPU may choose at load time (usd/runners/transformers/static_cache.py and steps.py), run on this
+CPU with tiny models: a static cache, and one whose one-token step is compiled. The same bars as transformers' own
+cache: the logits of a context that grows, rolls back and is reused are what a fresh evaluation gives; every algorithm's
+greedy output is plain greedy's; sampling is distributed as plain sampling. And the choice between kinds is the measured
+fastest, cached, and survives a kind that fails.
 """
 
 from __future__ import annotations
@@ -17,9 +17,8 @@ import torch
 from test_tiny_decoder import ALPHA, PROMPT, PROMPTS, build_pairs, exact_joint, p_value, run, sample_two
 from tiny_pairs import tiny_pair
 
-from usd import static_cache
-from usd.pair import Context, open_context
-from usd.static_cache import MIN_POSITIONS, StaticContext, size_of, use_step
+from usd.runners.transformers import Context, TransformersRunner, static_cache, steps
+from usd.runners.transformers.static_cache import MIN_POSITIONS, StaticContext, size_of
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -28,8 +27,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 def model():
     t = tiny.target()
     target, _ = tiny_pair(t, t)
-    yield target
-    use_step(target, "dynamic")
+    return target
 
 
 def fresh_logits(model, ids: list[int]) -> torch.Tensor:
@@ -40,10 +38,9 @@ def fresh_logits(model, ids: list[int]) -> torch.Tensor:
 def test_a_context_that_grows_and_rolls_back_has_a_fresh_evaluations_logits(model, kind):
     """A long generation with rejections (random rollbacks of 1-5 positions) past the first cache size: every
     step's logits equal those of one forward over the same prefix on transformers' own cache."""
-    use_step(model, kind)
     rng = random.Random(0)
     ids = tiny.target().encode("def fibonacci(n):")
-    ctx = open_context(model, ids)
+    ctx = TransformersRunner(model, kind).new_context(ids)
     assert isinstance(ctx, StaticContext) and (ctx.step is not None) == (kind == "compiled")
     ctx.forward(keep=1)
     seen = []
@@ -61,14 +58,14 @@ def test_a_context_that_grows_and_rolls_back_has_a_fresh_evaluations_logits(mode
 
 
 def test_a_dropped_context_gives_its_cache_back_and_the_next_starts_clean(model):
-    use_step(model, "static")
+    runner = TransformersRunner(model, "static")
     ids = tiny.target().encode("The capital of France is")
-    first = open_context(model, ids + [5, 6, 7])
+    first = runner.new_context(ids + [5, 6, 7])
     first.forward()
     held = first.cache
     del first
     gc.collect()
-    second = open_context(model, ids)
+    second = runner.new_context(ids)
     assert second.cache is held, "the pool hands the same tensors out again (a CUDA graph's addresses)"
     torch.testing.assert_close(second.forward(), fresh_logits(model, ids), rtol=0, atol=1e-5)
 
@@ -79,8 +76,8 @@ def pairs_by_kind():
     for kind in ("static", "compiled"):
         pairs = build_pairs(60.0)
         for pair in pairs.values():
-            use_step(pair.target, kind)
-            use_step(pair.drafter, kind)
+            pair.target_runner = TransformersRunner(pair.target, kind)
+            pair.drafter_runner = TransformersRunner(pair.drafter, kind)
         built[kind] = pairs
     return built
 
@@ -107,10 +104,9 @@ def sampling_pair():
 @pytest.mark.parametrize("algorithm", ["tli", "slem"])
 def test_sampling_on_static_caches_is_distributed_as_plain_sampling(sampling_pair, algorithm, kind):
     pair = sampling_pair
-    use_step(pair.target, "dynamic")
     joint = exact_joint(pair.target, pair.target_tokenizer.encode(PROMPT))
-    use_step(pair.target, kind)
-    use_step(pair.drafter, kind)
+    pair.target_runner = TransformersRunner(pair.target, kind)
+    pair.drafter_runner = TransformersRunner(pair.drafter, kind)
     counts, alpha = sample_two(pair, algorithm)
     assert 0.02 < alpha < 0.98
     p = p_value(counts, joint)
@@ -134,47 +130,46 @@ def test_the_fastest_kind_is_chosen_only_beyond_the_margin():
     def timed(step, verify):
         return {"first_s": step, "step_s": step, "verify_s": verify}
 
-    assert static_cache.best_kind({"dynamic": timed(10, 20), "static": timed(9, 19), "compiled": timed(2, 20)}) == (
-        "compiled"
-    )
-    assert static_cache.best_kind({"dynamic": timed(10, 20), "compiled": timed(9.5, 19)}) == "dynamic"
-    assert static_cache.best_kind({"static": timed(1, 1)}) == "dynamic"
+    assert steps.best_kind({"dynamic": timed(10, 20), "static": timed(9, 19), "compiled": timed(2, 20)}) == ("compiled")
+    assert steps.best_kind({"dynamic": timed(10, 20), "compiled": timed(9.5, 19)}) == "dynamic"
+    assert steps.best_kind({"static": timed(1, 1)}) == "dynamic"
 
 
 def test_the_choice_is_measured_once_cached_and_skips_a_kind_that_fails(model, tmp_path, monkeypatch):
     measured = []
 
-    def fake_time_kind(m, kind):
+    def fake_time_kind(runner):
+        kind = runner.steps
         measured.append(kind)
-        static_cache.use_step(m, kind)
         if kind == "compiled":
             raise RuntimeError("inductor could not compile this")
         return {"first_s": 1.0, "step_s": {"dynamic": 1.0, "static": 0.5}[kind], "verify_s": 1.0}
 
-    monkeypatch.setattr(static_cache, "time_kind", fake_time_kind)
+    monkeypatch.setattr(steps, "time_kind", fake_time_kind)
     said = []
-    assert static_cache.choose_step(model, "tiny", "fp32", tmp_path, said.append) == "static"
+    runner = steps.choose_steps(model, "tiny", "fp32", tmp_path, said.append)
+    assert runner.steps == "static"
     assert measured == ["dynamic", "static", "compiled", "static"], "each kind timed, then the chosen one warmed up"
     assert any("compiled decoding steps do not run here" in s and "inductor could not compile" in s for s in said)
-    assert isinstance(open_context(model, [1, 2]), StaticContext)
-    assert static_cache.choose_step(model, "tiny", "fp32", tmp_path, said.append) == "static"
+    assert isinstance(runner.new_context([1, 2]), StaticContext)
+    assert steps.choose_steps(model, "tiny", "fp32", tmp_path, said.append).steps == "static"
     assert measured[4:] == ["static"], "read from the cache the second time, only warmed up"
-    assert [c["kind"] for c in json.loads((tmp_path / static_cache.CACHE_FILE).read_text()).values()] == ["static"]
-    use_step(model, "dynamic")
-    assert type(open_context(model, [1, 2])) is Context
+    assert [c["kind"] for c in json.loads((tmp_path / steps.CACHE_FILE).read_text()).values()] == ["static"]
+    assert type(TransformersRunner(model).new_context([1, 2])) is Context
 
 
 def test_a_sliding_window_model_keeps_transformers_cache(model, monkeypatch):
     monkeypatch.setattr(model.config, "sliding_window", 512, raising=False)
     said = []
-    assert static_cache.choose_step(model, "tiny", "fp32", None, said.append) == "dynamic"
+    assert steps.choose_steps(model, "tiny", "fp32", None, said.append).steps == "dynamic"
     assert "sliding window" in said[0]
 
 
 def test_the_real_measurement_runs_every_kind(model):
-    choice = static_cache.measure_kinds(model, "tiny", print)
+    before = dict(vars(model))
+    choice = steps.measure_kinds(model, "tiny", print)
     assert set(choice["timed"]) == set(static_cache.KINDS) and choice["kind"] in static_cache.KINDS
-    assert static_cache.step_kind(model) == "dynamic", "measuring leaves the model as it was"
+    assert vars(model).keys() == before.keys(), "measuring leaves the model as it was"
 
 
 def test_generations_at_once_on_one_compiled_model_each_get_their_own_answer(pairs_by_kind):

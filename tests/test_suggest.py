@@ -23,7 +23,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 import usd
 from usd import suggest
 from usd.datasets import Prompt
-from usd.pair import Context
+from usd.runners.transformers import Context
 from usd.suggest import Acceptance, Measured, Model
 
 PROMPTS = [
@@ -117,9 +117,10 @@ def test_ranking_measures_tiny_drafters_and_puts_the_one_that_cannot_draft_last(
 
 
 class ContextOnly:
-    """A model as the llama.cpp runner (precision gguf) presents one, `usd/llamacpp.py`'s LlamaCppModel: `new_context`,
-    a config with vocab_size and max_position_embeddings, device, dtype and generation_config, and nothing of the
-    transformers model API (no forward call, parameters or output embeddings), so whatever reaches for those fails."""
+    """A model as the llama.cpp runner (precision gguf) presents one, `usd/runners/llamacpp`'s LlamaCppModel:
+    `new_context`, a config with vocab_size and max_position_embeddings, device, dtype and generation_config, and
+    nothing of the transformers model API (no forward call, parameters or output embeddings), so whatever reaches for
+    those fails."""
 
     def __init__(self, model):
         self._model = model

@@ -118,8 +118,8 @@ def test_every_algorithm_equals_plain_greedy(pairs, key, prompt):
     assert_pieces_are_the_text(pair, rounds, plain)
     for algorithm in ALGORITHMS[key]:
         for k in (4, "auto") if algorithm != "auto" else ("auto",):
-            # round 0 drafts too: its verify's first row is the prompt's kept logits (pair.LastLogits); and where an
-            # answer turns to bare bytes at once, it is the one round slem can draft in
+            # round 0 drafts too: its verify's first row is the prompt's kept logits (runners.kept.KeptLogits); and
+            # where an answer turns to bare bytes at once, it is the one round slem can draft in
             rounds, done = run(pair, prompt, algorithm=algorithm, k=k, max_new_tokens=MAX_NEW, probe_first=False)
             what = f"{algorithm} k={k} on {prompt!r}"
             assert done.target_ids == plain.target_ids and done.text == plain.text, f"{what}: not plain greedy's"
@@ -133,7 +133,7 @@ def test_every_algorithm_equals_plain_greedy(pairs, key, prompt):
 def test_a_stale_row_left_by_a_rollback_fails_the_identity_check(pairs, monkeypatch):
     """The power of the identity test above: a rollback that leaves the last rejected draft's row in the cache (the
     ids cut back, the cache one row short of it) must change some answer."""
-    from usd.pair import Context
+    from usd.runners.transformers import Context
 
     def one_row_short(self, drop):
         if drop > 1:
@@ -158,7 +158,7 @@ def test_a_stale_row_left_by_a_rollback_fails_the_identity_check(pairs, monkeypa
 @pytest.mark.parametrize(("algorithm", "k"), [("none", None), ("tli", 3)])
 def test_the_prompt_is_fed_in_one_forward_and_never_again(pairs, algorithm, k):
     """As plain tools read a prompt: whole, its last position's logits choosing the first token; round 0 reads them
-    again from the context (pair.LastLogits), so a plain round 0 feeds nothing and a verify only its drafts."""
+    again from the context (runners.kept.KeptLogits), so a plain round 0 feeds nothing and a verify only its drafts."""
     pair = pairs["byte-level"]
     fed: list[int] = []
     hook = pair.target.register_forward_pre_hook(
@@ -385,7 +385,7 @@ def test_draft_tokens_proposes_the_summed_probability_of_every_spelling(duplicat
     """q over target ids, built by draft_tokens, against the drafter's own distribution over its ids: each target
     id gets the sum over the drafter ids that spell it."""
     from usd.drafters import draft_tokens
-    from usd.pair import Context
+    from usd.runners.transformers import Context
 
     pair, twice = duplicate_spellings
     params = SamplingParams(temperature=1.0, seed=0)

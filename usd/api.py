@@ -63,6 +63,8 @@ def load_pair(
         target_name=t.name,
         drafter_name=d.name if d else None,
         context_length=min(limits) if limits else None,
+        target_runner=t.runner,
+        drafter_runner=d.runner if d else None,
     )
     # the target's vocabulary read now, not in a server's first request: reading it holds the interpreter a second
     _token_limits(pair)

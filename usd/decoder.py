@@ -1,9 +1,9 @@
 """The one decode loop: draft -> verify -> commit -> yield. Plain decoding is the same loop with k = 0.
 
-Each model keeps its own token context and KV cache (`pair.open_context`); a round feeds only the tokens the cache
-lacks and crops what the target rejected, so a round costs O(new tokens). The committed answer is held as target ids;
-the drafter's context follows the committed *bytes* (its own tokenization of the same text). docs/design.md walks
-through the loop, the events and why each algorithm is lossless.
+Each model keeps its own token context and KV cache (a runner's `new_context`: usd/runners); a round feeds only the
+tokens the cache lacks and crops what the target rejected, so a round costs O(new tokens). The committed answer is held
+as target ids; the drafter's context follows the committed *bytes* (its own tokenization of the same text).
+docs/design.md walks through the loop, the events and why each algorithm is lossless.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import torch
 
 from .drafters import Draft, draft_strings, draft_tokens, sync_drafter
 from .events import Finished, Piece, Round, Stats
-from .pair import Pair, bytes_of, model_context_length, open_context
+from .pair import Pair, bytes_of, model_context_length
 from .sampling import DRAFTER_STREAM, SamplingParams, make_generator, position_generator, probabilities
 from .schedule import Schedule
 from .settings import check_algorithm, check_draft_tokens, check_max_new_tokens
@@ -214,7 +214,7 @@ def _room(limit: int | None, used: int) -> int:
 
 def _prefill(ctx) -> None:
     """Feed the prompt in one forward, as plain tools do: its last position's logits, which choose the first token, are
-    kept by the context (`pair.LastLogits`), so round 0 reads them again without feeding anything again."""
+    kept by the context (`runners.kept.KeptLogits`), so round 0 reads them again without feeding anything again."""
     ctx.forward(keep=1)
 
 
@@ -225,13 +225,16 @@ class DrafterState:
 
     def __init__(self, pair: Pair, prompt_ids: list[int]):
         self.pair = pair
-        self.ctx = open_context(pair.drafter, prompt_ids)
+        assert pair.drafter_runner is not None  # a drafter state is made only when the pair has a drafter
+        self.ctx = pair.drafter_runner.new_context(prompt_ids)
         self.prompt_len = len(prompt_ids)
         self.limit = pair.drafter_context_length or model_context_length(pair.drafter)
         self.ready = False
         self.stopped: str | None = None
         self.unbilled_s = 0.0
         """Seconds of drafter prefill no round has been charged for yet (the schedule's probing budget counts them)."""
+        self.matched = (0, 0)
+        """(tokens, bytes) of its generated ids known to spell a prefix of the committed text (`sync_drafter`)."""
 
     def room(self, answer: Answer) -> int:
         """How many tokens it may draft now (0 once it is full, for the rest of the answer)."""
@@ -255,7 +258,7 @@ class DrafterState:
         return room
 
     def follow(self, answer: Answer) -> None:
-        sync_drafter(self.pair, self.ctx, self.prompt_len, answer.ids, answer.committed)
+        self.matched = sync_drafter(self.pair, self.ctx, self.prompt_len, answer.ids, answer.committed, self.matched)
 
 
 class Generation:
@@ -281,7 +284,7 @@ class Generation:
         base_seed = params.seed if params.seed is not None else secrets.randbits(63)
         self.rng = Randomness(make_generator(params.seed, DRAFTER_STREAM), base_seed)
         self.tally = Tally(algorithm)
-        self.target = open_context(pair.target, prompt_ids)
+        self.target = pair.target_runner.new_context(prompt_ids)
         self.prompt_len = len(prompt_ids)
         self.drafter = None
         if algorithm != "none":

@@ -12,7 +12,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .pair import Context, Pair, bytes_of
+from .pair import Pair, bytes_of
+from .runners import DecodingContext
 from .sampling import SamplingParams, probabilities, sample
 from .utf8 import inside_character, split_utf8, valid_prefix
 
@@ -42,7 +43,7 @@ def _confidence(logits: torch.Tensor) -> float:
 
 
 def draft_tokens(
-    pair: Pair, drafter: Context, k: int, params: SamplingParams, g, eos: set[int], min_confidence: float = 0.0
+    pair: Pair, drafter: DecodingContext, k: int, params: SamplingParams, g, eos: set[int], min_confidence: float = 0.0
 ) -> Draft:
     """standard and tli: sample the drafter with its logits outside the shared vocabulary I masked, so q lives on I
     and each proposal is a target id; with identical tokenizers I is the whole vocabulary."""
@@ -74,7 +75,7 @@ def target_proposal(q_shared: torch.Tensor, t_ids: torch.Tensor, vocab_t: int) -
     return torch.zeros(vocab_t).index_add_(0, t_ids, q_shared)
 
 
-def draft_strings(pair: Pair, drafter: Context, k: int, eos: set[int], min_confidence: float = 0.0) -> Draft:
+def draft_strings(pair: Pair, drafter: DecodingContext, k: int, eos: set[int], min_confidence: float = 0.0) -> Draft:
     """slem: the drafter writes up to k tokens in its own vocabulary; their text, re-tokenized by the target's
     tokenizer, gives the candidates."""
     db = pair.drafter_bytes
@@ -105,10 +106,18 @@ def draft_strings(pair: Pair, drafter: Context, k: int, eos: set[int], min_confi
     return out
 
 
-def sync_drafter(pair: Pair, drafter: Context, prompt_len: int, generated: list[int], committed: bytes) -> None:
+def sync_drafter(
+    pair: Pair,
+    drafter: DecodingContext,
+    prompt_len: int,
+    generated: list[int],
+    committed: bytes,
+    matched: tuple[int, int] = (0, 0),
+) -> tuple[int, int]:
     """Keep the drafter's context in step with the committed text: keep its longest token prefix whose bytes are a
     prefix of the committed text (minus one token, so the boundary word re-tokenizes whole), re-tokenize the rest.
-    Only the tail is re-tokenized and re-fed; the cache keeps the rest."""
+    Only the tail is re-tokenized and re-fed; the cache keeps the rest. `matched`: (tokens, bytes) of the drafter's
+    generated ids known, from the last call, to spell a prefix of the committed text; returns the new one."""
     gen = drafter.ids[prompt_len:]
     if pair.same_tokenizer:
         same = 0
@@ -116,10 +125,10 @@ def sync_drafter(pair: Pair, drafter: Context, prompt_len: int, generated: list[
             same += 1
         drafter.truncate(prompt_len + same)
         drafter.ids.extend(generated[same:])
-        return
+        return matched
     db = pair.drafter_bytes
     # The tokens matched last time still match (the committed text only grows): start after them.
-    keep, pos = drafter.matched if drafter.matched[0] <= len(gen) else (0, 0)
+    keep, pos = matched if matched[0] <= len(gen) else (0, 0)
     for d in gen[keep:]:
         b = bytes_of(db, d)
         if b and committed.startswith(b, pos):
@@ -135,8 +144,8 @@ def sync_drafter(pair: Pair, drafter: Context, prompt_len: int, generated: list[
             keep -= 1
             pos -= len(bytes_of(db, gen[keep]))
     drafter.truncate(prompt_len + keep)
-    drafter.matched = (keep, pos)
     drafter.ids.extend(encode_bytes(pair, committed[pos:]))
+    return keep, pos
 
 
 def encode_bytes(pair: Pair, data: bytes) -> list[int]:

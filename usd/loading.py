@@ -3,9 +3,9 @@
 On CUDA the entry's precision applies (4-bit NF4 with bf16 compute and double quantization by default, or 8-bit, or
 bf16) through bitsandbytes with `device_map="auto"`, so a big target spreads over every visible GPU. On a CPU,
 bitsandbytes is not used: bf16 where the CPU has native bf16 arithmetic, float32 elsewhere. Precision `gguf` runs the
-model's GGUF file as it is on llama.cpp, on the CPU (`usd.llamacpp`); the tokenizer comes from transformers as always.
-A CPU's fp32 Linear layers (`usd.cpu_kernels`) and a GPU's decoding steps (`usd.static_cache`) are chosen by a timing
-at the first load on a machine.
+model's GGUF file as it is on llama.cpp, on the CPU (`usd.runners.llamacpp`); the tokenizer comes from transformers as
+always. A CPU's fp32 Linear layers (`runners.transformers.cpu_kernels`) and a GPU's decoding steps
+(`runners.transformers.steps`) are chosen by a timing at the first load on a machine.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from .catalog import Catalog, DevicePrecision, HubSource, ModelEntry, PathSource, Precision, load_catalog
+from .runners import runner_for
 from .store import StoreError, cache_dir, local_path, pull
 
 GiB = 1 << 30
@@ -63,6 +64,12 @@ class LoadedModel:
     plan: LoadPlan
     path: Path
     entry: ModelEntry = field(repr=False)
+    runner: Any = field(default=None, repr=False)
+    """What opens the model's decoding contexts: the one the load chose (by default `runners.runner_for`'s)."""
+
+    def __post_init__(self):
+        if self.runner is None:
+            self.runner = runner_for(self.model)
 
 
 # --- devices ---------------------------------------------------------------------------------------------------------
@@ -107,7 +114,7 @@ _GGUF_NOTE = "the GGUF's own quantized weights on llama.cpp (CPU), not converted
 
 
 def choose_precision(entry: ModelEntry, device: str, precision: Precision | None = None) -> tuple[Precision, str]:
-    from . import llamacpp
+    from .runners import llamacpp
 
     if (precision or (entry.precision.cuda if device == "cuda" else entry.precision.cpu)) == "gguf":
         if llamacpp.available():
@@ -204,7 +211,7 @@ def estimate_bytes(entry: ModelEntry, precision: Precision, device: str, config=
     compute = 4 if precision == "fp32" else 2
     if precision == "gguf":  # the file as it is, mapped, plus llama.cpp's f16 cache and its buffers
         weights = getattr(entry.source, "size", None) or 0.6e9 * (entry.params_b or 0)
-        from .llamacpp import N_CTX_CAP
+        from .runners.llamacpp import N_CTX_CAP
 
         kv = _kv_bytes(config, min(N_CTX_CAP, entry.context_length), 2) if config is not None else 0
         return int(weights + kv + _RUNTIME_OVERHEAD["cpu"]) if weights else 0
@@ -405,7 +412,8 @@ def load_model(
     # before the weights: a missing tokenizer then fails in seconds, not after a load that can take minutes
     tokenizer = load_tokenizer(entry, path)
     if plan.precision == "gguf":
-        return LoadedModel(entry.name, _load_gguf(entry, path, log), tokenizer, plan, path, entry)
+        gguf = _load_gguf(entry, path, log)
+        return LoadedModel(entry.name, gguf, tokenizer, plan, path, entry, runner=gguf)
     try:
         with verifying(path, entry.name):  # pull only compared sizes and mtimes; the bytes are hashed as they load
             model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
@@ -413,21 +421,29 @@ def load_model(
         raise LoadError(f"{entry.name}: {e}") from None
     model.eval()
     if device == "cpu" and plan.precision == "fp32":
-        from .cpu_kernels import choose_linear_backend
+        from .runners.transformers.cpu_kernels import choose_linear_backend
 
         choose_linear_backend(model, entry.name, cache_dir(), log)
     if device == "cuda":
-        from .static_cache import choose_step
+        from .runners.transformers.steps import choose_steps
 
-        choose_step(model, entry.name, plan.precision, cache_dir(), log)
+        return LoadedModel(
+            entry.name,
+            model,
+            tokenizer,
+            plan,
+            path,
+            entry,
+            choose_steps(model, entry.name, plan.precision, cache_dir(), log),
+        )
     return LoadedModel(entry.name, model, tokenizer, plan, path, entry)
 
 
 def _load_gguf(entry: ModelEntry, path: Path, log):
-    """The model's GGUF on llama.cpp (usd.llamacpp), its bytes hashed against the manifest as they load."""
+    """The model's GGUF on llama.cpp (usd.runners.llamacpp), its bytes hashed against the manifest as they load."""
     from transformers import GenerationConfig
 
-    from .llamacpp import LlamaCppModel, LlamaCppUnavailable
+    from .runners.llamacpp import LlamaCppModel, LlamaCppUnavailable
     from .store import GGUF_NAME, gguf_file, verifying
 
     try:

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .pair import Pair, open_context
+from .pair import Pair
 
 ROUNDING_UNITS = 16
 """How many units of the model's float format (at the logit's size) a long chain of sums can drift by."""
@@ -52,7 +52,7 @@ def compute_dtype(model) -> torch.dtype:
 
 
 def divergence(pair: Pair, prompt_ids: list[int], answer_ids: list[int], position: int) -> Divergence:
-    logits = open_context(pair.target, list(prompt_ids) + list(answer_ids[:position])).forward(keep=1)[-1]
+    logits = pair.target_runner.new_context(list(prompt_ids) + list(answer_ids[:position])).forward(keep=1)[-1]
     top = torch.topk(logits.float(), 2).values
     dtype = compute_dtype(pair.target)
     scale = max(1.0, abs(float(top[0])))

@@ -1,140 +1,15 @@
-"""A loaded (target, drafter) pair, and the per-model decoding context (token ids + KV cache) the loop works on."""
+"""A loaded (target, drafter) pair: the models, their runners and tokenizers, and what the algorithms need to know
+about their vocabularies."""
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from .recurrent import RecurrentStates, is_recurrent
+from .runners import Runner, runner_for
 from .vocab import TokenizerBytes, align, same_vocabulary, tokenizer_bytes
-
-
-class LastLogits:
-    """The logits of the last position a context fed, while its ids up to there stand. The loop reads a prompt's last
-    position twice: when the prompt is fed (in one forward, as plain tools read it, so the first token is chosen on the
-    same bits as theirs) and as the first row of round 0's verify. Keeping the row spares feeding that position again,
-    which on the llama.cpp runner would mean feeding its whole prompt batch again (docs/design.md §8)."""
-
-    def __init__(self):
-        self.position = -1
-        self.row: torch.Tensor | None = None
-
-    def keep(self, logits: torch.Tensor, n_ids: int) -> None:
-        if len(logits):
-            self.position, self.row = n_ids - 1, logits[-1].clone()  # a copy: callers may change what they got
-
-    def drop_from(self, n: int) -> None:
-        """The ids from n on are gone (a rollback): a kept row there no longer holds."""
-        if self.position >= n:
-            self.position, self.row = -1, None
-
-    def first_of(self, n_ids: int, n_out: int) -> torch.Tensor | None:
-        """The kept row, if it is the first of the last `n_out` positions of `n_ids` ids."""
-        return self.row if n_out > 0 and self.position == n_ids - n_out else None
-
-
-class Context:
-    """A model, the token ids it has seen, and its KV cache over all but the not-yet-fed tail."""
-
-    def __init__(self, model, ids: list[int]):
-        self.model = model
-        self.ids = list(ids)
-        self.cache = self._new_cache()
-        self.cached = 0
-        self.fed_since_crop = 0
-        self.last = LastLogits()
-        self.matched = (0, 0)
-        """(tokens, bytes) of the generated ids known to spell a prefix of the committed text (drafter sync)."""
-        self.forward_s = 0.0
-        """Seconds spent inside model forwards: the rest of a round's time is the loop's own overhead."""
-
-    def _new_cache(self):
-        from transformers import DynamicCache
-
-        cache = DynamicCache(config=self.model.config)
-        # Sliding-window layers (Gemma 3: 512 tokens) drop states that leave the window as they go; recording keeps
-        # them until the next crop, so a rejected draft can be rolled back. Recurrent layers cannot be cropped at all:
-        # their states are snapshot instead (usd/recurrent.py).
-        self.sliding = False
-        for layer in cache.layers:
-            if hasattr(layer, "activate_past_recording") and not is_recurrent(layer):
-                layer.activate_past_recording()
-                self.sliding = True
-        recurrent = RecurrentStates(cache)
-        self.recurrent = recurrent if recurrent.layers else None
-        return cache
-
-    def truncate(self, n: int) -> None:
-        del self.ids[n:]
-        self.last.drop_from(n)
-        if self.cached > n:
-            self._rollback(self.cached - n)
-
-    def _rollback(self, drop: int) -> None:
-        if self.sliding and drop > self.fed_since_crop:
-            # A sliding-window layer kept only what was fed since its last crop: anything older is gone, so start
-            # the cache again (rare: the drafter's resync never reaches behind the previous round).
-            self._start_again()
-        elif self.recurrent is not None:
-            if self.recurrent.roll_back(self.cached - drop, drop):
-                self.cached -= drop
-            else:
-                self._start_again()
-        else:
-            self.cache.crop(-drop)  # transformers 5: a negative count of tokens to drop
-            self.cached -= drop
-        self.fed_since_crop = 0
-
-    def _start_again(self) -> None:
-        self.cache, self.cached = self._new_cache(), 0
-
-    @torch.inference_mode()
-    def forward(self, keep: int = 0) -> torch.Tensor:
-        """Feed every id the cache lacks; return the logits of the last `keep` of them (0: all) as [n, V] float32
-        on the CPU. Asking only for what is needed matters: a 1,000-token prefill of a 150k vocabulary is 600 MB.
-        One position more than is new may be asked for: the last one fed, whose logits are kept (`LastLogits`)."""
-        new = len(self.ids) - self.cached
-        held = self.last.first_of(len(self.ids), keep) if keep == new + 1 else None
-        if held is not None and new == 0:
-            return held[None]
-        if held is None and new == 0:  # nothing new and nothing kept: re-feed the last token to get its logits again
-            self._rollback(1)
-        t0 = time.perf_counter()
-        fresh = torch.tensor([self.ids[self.cached :]], device=self.model.device)
-        want = keep - (held is not None)
-        out = self._run(fresh, want) if self.recurrent is None or self.cached == 0 else self._steps(fresh, want)
-        self.fed_since_crop += len(self.ids) - self.cached
-        self.cached = len(self.ids)
-        logits = out[0].float().cpu()  # waits for the device, so the time below is the forward's
-        self.forward_s += time.perf_counter() - t0
-        self.last.keep(logits, len(self.ids))
-        return torch.cat([held[None], logits]) if held is not None else logits
-
-    def _steps(self, fresh: torch.Tensor, keep: int) -> torch.Tensor:
-        """`fresh` fed a token per forward, as plain decoding feeds a model with recurrent layers (usd/recurrent.py),
-        each after a snapshot of the states before it; the logits of the last `keep` (0: all)."""
-        assert self.recurrent is not None
-        rows = []
-        for j in range(fresh.shape[1]):
-            self.recurrent.take(self.cached + j)
-            rows.append(self._run(fresh[:, j : j + 1], 1))
-        out = torch.cat(rows, dim=1)
-        return out[:, -keep:] if keep else out
-
-    def _run(self, fresh: torch.Tensor, keep: int) -> torch.Tensor:
-        """One forward of the model over `fresh` ([1, n] ids) on this context's cache: the logits of its last `keep`
-        positions (0: all), [1, n, V] on the model's device."""
-        return self.model(input_ids=fresh, cache=self.cache, use_cache=True, logits_to_keep=keep).logits
-
-
-def open_context(model, ids: list[int]):
-    """A decoding context (ids, KV cache, `forward`, `truncate`) on whichever runner loaded the model: a model object
-    that brings its own (`new_context`) gets that, a transformers model gets `Context`."""
-    new_context = getattr(model, "new_context", None)
-    return new_context(ids) if new_context is not None else Context(model, ids)
 
 
 def bytes_of(tb: TokenizerBytes, i: int) -> bytes:
@@ -179,7 +54,16 @@ class Pair:
     drafter_context_length: int | None = None
     """The drafter's; None: what its config says (`model_context_length`)."""
     memory: dict = field(default_factory=dict, repr=False)
+    target_runner: Runner = field(default=None, repr=False)  # type: ignore[assignment]
+    """What opens the target's decoding contexts (given at load; by default the one `runners.runner_for` gives)."""
+    drafter_runner: Runner | None = field(default=None, repr=False)
     _cache: dict = field(default_factory=dict, repr=False)
+
+    def __post_init__(self):
+        if self.target_runner is None:
+            self.target_runner = runner_for(self.target)
+        if self.drafter_runner is None and self.drafter is not None:
+            self.drafter_runner = runner_for(self.drafter)
 
     @property
     def same_tokenizer(self) -> bool:

@@ -43,6 +43,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from .datasets import Prompt
+from .drafters import target_proposal
+from .runners import Runner, runner_for
 from .schedule import K_MAX, tau, tested_positions
 
 if TYPE_CHECKING:
@@ -51,9 +53,6 @@ if TYPE_CHECKING:
 ALGORITHMS = ("tli", "slem", "standard")
 ANSWER_TOKENS = 32
 """Answer tokens per prompt the target writes for the reference."""
-PROBE_ROUNDS = 2
-"""The plain rounds `decoder.stream` starts with (probe_first): round 0 reads the prompt's logits, round 1 times a
-step."""
 REPEATS = 7
 """Interleaved timing repeats. Each time is the fastest of its repeats: other work on a shared machine only ever
 adds time (as cpu_kernels times its backends)."""
@@ -210,12 +209,18 @@ def _note(row: dict, m: Measured) -> str:
 
 @dataclass
 class Model:
-    """A loaded model and what the ranking reports about it."""
+    """A loaded model, its runner and what the ranking reports about it."""
 
     name: str
     model: object
     tokenizer: object
     family: str = ""
+    runner: Any = None
+    """What opens its decoding contexts (by default the one `runners.runner_for` gives)."""
+
+    def __post_init__(self):
+        if self.runner is None:
+            self.runner = runner_for(self.model)
 
 
 @dataclass
@@ -240,6 +245,8 @@ def _target_pair(target: Model, drafter: Model | None = None):
         drafter.tokenizer if drafter else None,
         target_name=target.name,
         drafter_name=drafter.name if drafter else None,
+        target_runner=target.runner,
+        drafter_runner=drafter.runner if drafter else None,
     )
 
 
@@ -255,14 +262,13 @@ def _prompt_ids(pair, prompt: Prompt):
 def references(target: Model, prompts: Iterable[Prompt], max_new_tokens: int = ANSWER_TOKENS) -> list[Reference]:
     """The target's greedy answers, step by step as plain decoding makes them (`decoder.stream`, algorithm none)."""
     from .decoder import _prefill
-    from .pair import open_context
 
     pair = _target_pair(target)
     eos = pair.eos_ids()
     out = []
     for prompt in prompts:
         t_ids, _ = _prompt_ids(pair, prompt)
-        ctx = open_context(target.model, t_ids)
+        ctx = target.runner.new_context(t_ids)
         _prefill(ctx)
         answer: list[int] = []
         logits: list[torch.Tensor] = []
@@ -278,67 +284,91 @@ def references(target: Model, prompts: Iterable[Prompt], max_new_tokens: int = A
     return out
 
 
+class _KnownAnswer:
+    """A target whose greedy answer is known (a `Reference`), as a runner: its contexts' rows are one-hot at the
+    reference's next token (past the reference, the end of sequence that ended it), so greedy verification keeps
+    exactly what the real target would, and no model runs."""
+
+    def __init__(self, ref: Reference, vocab: int, filler: int):
+        self.ref, self.vocab, self.filler = ref, vocab, filler
+
+    def new_context(self, ids: list[int]) -> _KnownContext:
+        return _KnownContext(self, ids)
+
+
+class _KnownContext:
+    def __init__(self, known: _KnownAnswer, ids: list[int]):
+        self.known, self.ids, self.forward_s = known, list(ids), 0.0
+
+    def forward(self, keep: int = 0) -> torch.Tensor:
+        ref = self.known.ref
+        first = len(ref.target_prompt_ids)
+        # the row at position p scores the token at p + 1: the answer's token (p + 1 - first)
+        nxt = [
+            ref.answer[i] if 0 <= i < len(ref.answer) else self.known.filler
+            for i in range(len(self.ids) - (keep or 1) + 1 - first, len(self.ids) + 1 - first)
+        ]
+        return torch.nn.functional.one_hot(torch.tensor(nxt), self.known.vocab).float()
+
+    def truncate(self, n: int) -> None:
+        del self.ids[n:]
+
+
 class _Recording:
-    """A drafter context that remembers the logits of its last forward (the replay's q under sampling)."""
+    """A drafter's runner whose contexts remember the last row of every forward since `outputs` was last cleared (the
+    replay's q under sampling: the first of a round's is the one its first candidate was drawn from)."""
 
-    def __init__(self, ctx):
-        self.ctx = ctx
-        self.last = None
+    def __init__(self, runner):
+        self.runner = runner
+        self.outputs: list[torch.Tensor] = []
 
-    @property
-    def ids(self):
-        return self.ctx.ids
+    def new_context(self, ids: list[int]):
+        ctx = self.runner.new_context(ids)
+        forward = ctx.forward
 
-    def forward(self, keep: int = 0):
-        out = self.ctx.forward(keep=keep)
-        self.last = out[-1]
-        return out
+        def recorded(keep: int = 0) -> torch.Tensor:
+            out = forward(keep=keep)
+            self.outputs.append(out[-1])
+            return out
+
+        ctx.forward = recorded
+        return ctx
 
 
 @torch.inference_mode()
 def replay(target: Model, drafter: Model, ref: Reference, algorithm: str, k: int = 1, pair=None) -> Acceptance:
-    """Greedy `algorithm` at fixed draft length `k` along the target's answer, as `decoder.stream` runs it (PROBE_ROUNDS
-    plain steps, then draft / verify / commit / drafter resync), with the reference in place of the target's verify
-    forward. Returns what the loop's stats would count (accepted, drafted), and for tli/standard the expected
-    acceptance under sampling at SAMPLED_TEMPERATURE along the same positions."""
-    from .decoder import Answer, DrafterState, Randomness, Verdict, propose
-    from .sampling import SamplingParams, make_generator, probabilities
-    from .verify import greedy_match
+    """Greedy `algorithm` at fixed draft length `k` along the target's answer: the decode loop itself
+    (`decoder.Generation`, from its plain rounds to its drafter resync) with the reference in place of the target's
+    forwards. Returns what the loop's stats count (accepted, drafted), and for tli/standard the expected acceptance
+    under sampling at SAMPLED_TEMPERATURE of each round's first candidate."""
+    from dataclasses import replace
 
-    pair = pair or _target_pair(target, drafter)
-    _, d_prompt = _prompt_ids(pair, ref.prompt)
-    answer = Answer(pair, ref.max_new_tokens, ())
-    state = DrafterState(pair, d_prompt)
-    drafter_ctx = _Recording(state.ctx)
-    greedy, rng = SamplingParams(), Randomness(make_generator(0), 0)  # greedy: never drawn from
+    from .decoder import Generation
+    from .pair import model_vocab_size
+    from .sampling import SamplingParams, probabilities
+
+    base = pair or _target_pair(target, drafter)
+    _, d_prompt = _prompt_ids(base, ref.prompt)
+    recording = _Recording(base.drafter_runner)
+    known = _KnownAnswer(ref, model_vocab_size(base.target), min(base.eos_ids()))
+    # its own memory: the replay's rounds must not teach the pair's auto anything
+    pair = replace(base, target_runner=known, drafter_runner=recording, memory={})
+    params = SamplingParams()  # greedy
+    gen = Generation(pair, ref.target_prompt_ids, d_prompt, algorithm, k, params, ref.max_new_tokens, (), True)
     sampled_params = SamplingParams(temperature=SAMPLED_TEMPERATURE)
-    out, sampled = Acceptance(), []
     intersection = pair.intersection() if algorithm in ("tli", "standard") else None
-    filler = min(answer.eos)
-    rounds = 0
-    while answer.stop_reason is None:
-        position = len(answer.ids)
-        mode, k_round = ("none", 0) if rounds < PROBE_ROUNDS else (algorithm, k)
-        if mode != "none":
-            k_round = min(k_round, state.room(answer))
-            if k_round < 1:
-                mode, k_round = "none", 0
-        draft = propose(pair, drafter_ctx, mode, k_round, greedy, rng, answer.eos, 0.0)
-        truth = ref.answer[position : position + len(draft.candidates) + 1]
-        truth += [filler] * (len(draft.candidates) + 1 - len(truth))  # past the reference: the answer stops first
-        accepted, token, kind = greedy_match(truth, draft.candidates)
-        if intersection is not None and draft.candidates and position < len(ref.logits):
+    out, sampled = Acceptance(), []
+    while gen.answer.stop_reason is None:
+        position = len(gen.answer.ids)
+        recording.outputs.clear()
+        done = gen.step()
+        out.drafted += done.drafted
+        out.accepted += done.accepted
+        if intersection is not None and done.drafted and position < len(ref.logits):
             d_ids, t_ids, vocab_t = intersection
-            q = probabilities(drafter_ctx.last[d_ids], sampled_params)
-            q = torch.zeros(vocab_t).index_add_(0, t_ids, q)
+            q = target_proposal(probabilities(recording.outputs[0][d_ids], sampled_params), t_ids, vocab_t)
             p = probabilities(ref.logits[position].float(), sampled_params)
             sampled.append(float(torch.minimum(p[: len(q)], q[: len(p)]).sum()))
-        answer.commit(draft, Verdict(accepted, token, kind if draft.candidates else "target"), rounds)
-        if state.ready and answer.stop_reason is None:
-            state.follow(answer)
-        out.drafted += len(draft.candidates)
-        out.accepted += accepted
-        rounds += 1
     out.sampled = sum(sampled) / len(sampled) if sampled else None
     return out
 
@@ -354,10 +384,8 @@ def _timed_forward(ctx, base: list[int], n: int) -> float:
     return time.perf_counter() - t0
 
 
-def _context(model, ids: list[int]):
-    from .pair import open_context
-
-    ctx = open_context(model, ids)
+def _context(model: Model, ids: list[int]):
+    ctx = model.runner.new_context(ids)
     ctx.forward(keep=1)
     return ctx
 
@@ -366,7 +394,7 @@ def _context(model, ids: list[int]):
 def time_verify(target: Model, ref: Reference, repeats: int = REPEATS) -> dict:
     """v(k) = V(k + 1) / V(1) for k = 1..K_MAX on this machine, the lengths interleaved in every repeat."""
     base = ref.target_prompt_ids + ref.answer[:-1]
-    ctx = _context(target.model, base)
+    ctx = _context(target, base)
     times: dict[int, list[float]] = {n: [] for n in range(1, K_MAX + 2)}
     for _ in range(repeats + 1):
         for n in range(K_MAX + 1, 0, -1):  # longest first: a sliding-window cache can always crop what it just fed
@@ -383,7 +411,7 @@ def time_c(target: Model, drafter: Model, ref: Reference, pair=None, repeats: in
     text = pair.target_tokenizer.decode(ref.answer[:-1], skip_special_tokens=True)
     t_base = ref.target_prompt_ids + ref.answer[:-1]
     d_base = d_prompt + pair.drafter_tokenizer.encode(text, add_special_tokens=False)
-    t_ctx, d_ctx = _context(target.model, t_base), _context(drafter.model, d_base)
+    t_ctx, d_ctx = _context(target, t_base), _context(drafter, d_base)
     t_times, d_times = [], []
     for _ in range(repeats + 1):
         t_times.append(_timed_forward(t_ctx, t_base, 1))
@@ -552,9 +580,10 @@ def recording(pair, events: Iterator, greedy: bool) -> Iterator:
 
 def machine(model) -> str:
     """What the timings belong to: this host, its CPU count, the device, the weights and the runner of the model. A
-    model that brings its own decoding context (`new_context`: the llama.cpp runner, precision gguf) runs its GGUF's
-    own quantized weights and has no torch parameters to ask."""
-    if hasattr(model, "new_context"):
+    model that is its own runner (the llama.cpp runner, precision gguf) runs its GGUF's own quantized weights and has
+    no torch parameters to ask."""
+    own_runner = isinstance(model, Runner)
+    if own_runner:
         where, runner = f"{model.device.type}/gguf", type(model).__name__
     else:
         param = next(iter(model.parameters()), None)
@@ -716,7 +745,7 @@ def loader(
     def load(name: str) -> Model:
         if name not in cache:
             lm = load_model(entry_for(name, catalog), device=device, precision=precision, catalog=catalog, log=log)
-            cache[name] = Model(lm.name, lm.model, lm.tokenizer, family=lm.entry.family)
+            cache[name] = Model(lm.name, lm.model, lm.tokenizer, family=lm.entry.family, runner=lm.runner)
         return cache[name]
 
     return load

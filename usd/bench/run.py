@@ -161,7 +161,7 @@ def run_hf(pair: Pair, hf_drafter, prompt: Prompt, params: SamplingParams, max_n
 def forget_caches(pair: Pair) -> None:
     """Empty the llama.cpp caches a pair keeps between generations (transformers' are per generation already), so
     that no run reuses the prompt another one just read."""
-    from ..llamacpp import LlamaCppModel
+    from ..runners.llamacpp import LlamaCppModel
 
     for model in (pair.target, pair.drafter):
         if isinstance(model, LlamaCppModel):
@@ -171,12 +171,13 @@ def forget_caches(pair: Pair) -> None:
 def reference_llama(pair: Pair):
     """llama-cpp-python's high-level `Llama` on the target's GGUF, as a user would open it: its default kernels
     (repacked weights and all), the same threads and context as our runner's."""
-    from ..llamacpp import LlamaCppModel, _lib
+    from ..runners.llamacpp import LlamaCppModel
+    from ..runners.llamacpp.binding import library
 
     target = pair.target
     if not isinstance(target, LlamaCppModel):
         raise ValueError("the llamacpp reference runs the target's GGUF: load the pair with --precision gguf")
-    _lib()  # the backend initialised and its log quieted, once for both
+    library()  # the backend initialised and its log quieted, once for both
     from llama_cpp import Llama
 
     return Llama(
@@ -282,7 +283,7 @@ def summarize(runs: list[Run], plan: list[tuple], greedy: bool) -> list[dict]:
 
 def target_precision(pair: Pair) -> str:
     """What the identity column's heading names: the target's weights as they ran."""
-    from ..llamacpp import LlamaCppModel
+    from ..runners.llamacpp import LlamaCppModel
 
     if isinstance(pair.target, LlamaCppModel):
         return "gguf"
@@ -475,7 +476,7 @@ def run_cli(args, catalog=None) -> int:
             raise ValueError(hf_needs_transformers(on_llamacpp))
     k = parse_k(args.draft_tokens)
     if "llamacpp" in algorithms:
-        from .. import llamacpp
+        from ..runners import llamacpp
 
         if not llamacpp.available():
             raise ValueError(f"the llamacpp reference: {llamacpp.INSTALL_HINT}")

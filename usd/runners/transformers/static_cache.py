@@ -1,10 +1,7 @@
-"""On a GPU, how a transformers model's decoding forwards run: on transformers' growing cache (`pair.Context`), on a
-preallocated one (`StaticContext`), or on a preallocated one with the one-token step compiled (CUDA graphs replay
-the whole step as one launch). A small model's step on a GPU costs mostly kernel launches, which the compiled step
-removes; a verify of k + 1 rows stays eager, since each k would compile its own graph. Which one is fastest depends
-on the model, its precision (bitsandbytes' 4-bit matmuls break the graph) and the GPU, so it is measured per model
-at load time and the choice is cached per machine, as `cpu_kernels` does for a CPU's Linear layers
-(docs/design.md §7).
+"""Static caches for a transformers model's decoding steps on a GPU: a preallocated cache (`StaticContext`) reused
+from a per-model pool, and the one-token step compiled (`CompiledStep`: CUDA graphs replay the whole step as one
+launch, where a small model's step is mostly launches); beside transformers' own growing cache (`context.Context`),
+the kinds `steps.py` times at load. A verify of k + 1 rows stays eager, since each k would compile its own graph.
 
 Lossless: every kind gives the same tokens for the same logits. The compiled step and an eager verify row sum in
 different orders, so their logits differ by rounding; greedy identity then holds up to the near-ties docs/design.md
@@ -14,27 +11,17 @@ different orders, so their logits differ by rounding; greedy identity then holds
 from __future__ import annotations
 
 import threading
-import time
 import weakref
-from pathlib import Path
 
 import torch
 
-from .cpu_kernels import read_choices, write_choices
-from .pair import Context, open_context
+from .context import Context
 
 KINDS = ("dynamic", "static", "compiled")
+"""The kinds of decoding steps: transformers' own cache, a static one, a static one with the step compiled."""
 MIN_POSITIONS = 512
 """A static cache's first size. It doubles when a context outgrows it (copying what it holds, so no position is
 computed twice), and each size compiles the step once per process."""
-PROMPT = 256
-"""Positions in the cache when a kind is timed: a short chat's prompt."""
-VERIFY_ROWS = 5
-"""The verify timed beside the one-token step (k = 4)."""
-REPEATS = 5
-MARGIN = 0.9
-"""Another kind must be at least 10% faster than transformers' own cache to be used: noise should not flip it."""
-CACHE_FILE = "gpu-steps.json"
 
 
 def positions_for(n: int) -> int:
@@ -149,106 +136,3 @@ class CompiledStep:
         with self.lock:
             # logits_to_keep is a constant: the graph is specialized on it
             return self.forward(input_ids=fresh, cache=cache, use_cache=True, logits_to_keep=1).logits.clone()
-
-
-def use_step(model, kind: str) -> None:
-    """Make `pair.open_context` give `model` contexts of this kind. What a kind needs (the pool of static caches, the
-    compiled step) is made once per model and kept as instance attributes, so the model's class is untouched."""
-    if kind not in KINDS:
-        raise ValueError(f"unknown step kind {kind!r}; one of {', '.join(KINDS)}")
-    state = model.__dict__
-    state.pop("new_context", None)
-    state["step_kind"] = kind
-    if kind == "dynamic":
-        return
-    pool = state.setdefault("static_caches", CachePool(model.config))
-    step = None
-    if kind == "compiled":
-        if "compiled_step" not in state:
-            state["compiled_step"] = CompiledStep(
-                model, "reduce-overhead" if model.device.type == "cuda" else "default"
-            )
-        step = state["compiled_step"]
-    state["new_context"] = lambda ids: StaticContext(model, ids, pool, step)
-
-
-def step_kind(model) -> str:
-    return model.__dict__.get("step_kind", "dynamic")
-
-
-@torch.inference_mode()
-def time_kind(model, kind: str) -> dict:
-    """Seconds of a one-token step and of a VERIFY_ROWS-token verify after a PROMPT-token prompt (the fastest of
-    REPEATS each, the cache rolled back after each), and of the first step (which compiles)."""
-    use_step(model, kind)
-    vocab = model.config.get_text_config(decoder=True).vocab_size
-    g = torch.Generator().manual_seed(0)
-    ctx = open_context(model, torch.randint(vocab, (PROMPT,), generator=g).tolist())
-    ctx.forward(keep=1)
-    base = len(ctx.ids)
-
-    def timed(rows: int) -> float:
-        ctx.ids += torch.randint(vocab, (rows,), generator=g).tolist()
-        t0 = time.perf_counter()
-        ctx.forward(keep=rows)  # copies the logits to the CPU: the device has finished when it returns
-        seconds = time.perf_counter() - t0
-        ctx.truncate(base)
-        return seconds
-
-    first = timed(1)
-    timed(1)  # CUDA graphs record on the second call
-    return {
-        "first_s": first,
-        "step_s": min(timed(1) for _ in range(REPEATS)),
-        "verify_s": min(timed(VERIFY_ROWS) for _ in range(REPEATS)),
-    }
-
-
-def machine_key(model) -> str:
-    import transformers
-
-    device = torch.cuda.get_device_name(model.device) if model.device.type == "cuda" else model.device.type
-    return f"{device}|torch={torch.__version__}|transformers={transformers.__version__}"
-
-
-def choose_step(model, model_name: str, precision: str, cache_dir: Path | None, log=print) -> str:
-    """The fastest kind for this model on this machine, measured once (a failing kind, such as a compile that
-    breaks, is skipped and said), then read from the cache; `model` is set to use it."""
-    if not supports(model):
-        log(f"{model_name}: decoding on transformers' own cache (its layers need it: sliding window or recurrent)")
-        return "dynamic"
-    cache = cache_dir / CACHE_FILE if cache_dir is not None else None
-    known = read_choices(cache)
-    key = f"{machine_key(model)}|{model_name}|{precision}"
-    if key not in known:
-        known[key] = measure_kinds(model, model_name, log)
-        write_choices(cache, known)
-    choice = known[key]
-    kind = choice["kind"]
-    first = time_kind(model, kind)["first_s"]  # sets the model to it; a step compiles now, not in the first answer
-    timings = ", ".join(f"{k} {t['step_s'] * 1e3:.1f}/{t['verify_s'] * 1e3:.1f} ms" for k, t in choice["timed"].items())
-    log(
-        f"{model_name}: decoding steps {kind} (measured here, one-token step/{VERIFY_ROWS}-token verify: {timings}; "
-        f"first step now {first:.2f} s)"
-    )
-    return kind
-
-
-def measure_kinds(model, model_name: str, log) -> dict:
-    timed = {}
-    for kind in KINDS:
-        try:
-            timed[kind] = time_kind(model, kind)
-        except Exception as e:  # a kind that fails on this model (a compile that breaks) is not a failed load
-            log(f"{model_name}: {kind} decoding steps do not run here ({type(e).__name__}: {e}); not used")
-    use_step(model, "dynamic")
-    return {"kind": best_kind(timed), "timed": timed}
-
-
-def best_kind(timed: dict) -> str:
-    """The kind with the least step + verify time, if it beats transformers' own cache by the margin."""
-    cost = {k: t["step_s"] + t["verify_s"] for k, t in timed.items()}
-    if "dynamic" not in cost:
-        return "dynamic"
-    best = min(cost, key=lambda kind: cost[kind])
-    return best if cost[best] < MARGIN * cost["dynamic"] else "dynamic"

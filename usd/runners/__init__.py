@@ -1,0 +1,45 @@
+"""How a model's forwards run. Each loaded model comes with a runner, which opens decoding contexts for it: the
+transformers runner (`runners.transformers`: PyTorch with a KV cache per context) or the llama.cpp runner
+(`runners.llamacpp`: a GGUF as it is, on batch-invariant kernels). The decode loop sees only the two protocols here;
+target and drafter may run on different runners (docs/design.md §7)."""
+
+from __future__ import annotations
+
+from typing import Protocol, runtime_checkable
+
+import torch
+
+
+class DecodingContext(Protocol):
+    """One model's token ids and its cache over them, as the decode loop drives it. The caller appends ids to `ids`
+    and calls `forward`; `truncate` rolls back. Every evaluation of a position gives the same logits, whatever was
+    fed before or batched with it, as far as the runner can promise (docs/design.md §8)."""
+
+    ids: list[int]
+    forward_s: float
+    """Seconds spent inside model forwards (the rest of a round's time is the loop's own)."""
+
+    def forward(self, keep: int = 0) -> torch.Tensor:
+        """Feed every id the cache lacks; return the logits of the last `keep` ids (0: all the new ones) as [n, V]
+        float32 on the CPU. The first row asked for may be the last position fed before, whose logits the context
+        keeps (`kept.KeptLogits`): asking for one more row than is new costs nothing more."""
+        ...
+
+    def truncate(self, n: int) -> None:
+        """Keep the first n ids (the cache follows)."""
+        ...
+
+
+@runtime_checkable
+class Runner(Protocol):
+    def new_context(self, ids: list[int]) -> DecodingContext: ...
+
+
+def runner_for(model) -> Runner:
+    """The runner of a model given without one (tests, scripts, a Pair built by hand): a model that is its own runner
+    (the llama.cpp runner's `LlamaCppModel`), else transformers' own decoding steps."""
+    if isinstance(model, Runner):
+        return model
+    from .transformers import TransformersRunner
+
+    return TransformersRunner(model)

@@ -1,0 +1,30 @@
+"""The llama.cpp runner (precision gguf): a GGUF as it is, on llama.cpp's CPU kernels, lossless by the rule in
+`kernels.py`. `binding` loads the library, `model` the GGUF, `pool` and `cache` hold its llama.cpp contexts, `context`
+is the decoding context the loop drives, `checks` compares the runner with llama.cpp's own generate."""
+
+from .binding import BUILD_ARGS, INSTALL_HINT, LlamaCppUnavailable, available, cpu_threads
+from .checks import batch_invariance, llama_with_our_attention
+from .kernels import GEMM_ROWS, N_BATCH, PREFILL, PREFILL_MIN_ROWS, ROW, TAIL, Batching, Kernel
+from .model import N_CTX_CAP, LlamaCppModel
+from .pool import MAX_CACHES
+
+__all__ = [
+    "BUILD_ARGS",
+    "GEMM_ROWS",
+    "INSTALL_HINT",
+    "MAX_CACHES",
+    "N_BATCH",
+    "N_CTX_CAP",
+    "PREFILL",
+    "PREFILL_MIN_ROWS",
+    "ROW",
+    "TAIL",
+    "Batching",
+    "Kernel",
+    "LlamaCppModel",
+    "LlamaCppUnavailable",
+    "available",
+    "batch_invariance",
+    "cpu_threads",
+    "llama_with_our_attention",
+]

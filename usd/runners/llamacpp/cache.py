@@ -1,0 +1,111 @@
+"""One llama.cpp context of a model: a KV cache, the ids it holds and which kernels computed them, and the one place
+where ids reach llama.cpp's C buffers (`_decode`), each call checked first."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from ...errors import InternalError
+from .binding import last_errors
+from .kernels import N_BATCH, ROW, Batching, Kernel
+
+if TYPE_CHECKING:
+    from .context import LlamaCppContext
+
+N_OUTPUTS = 32
+"""Rows of logits one llama_decode call may return (llama.cpp keeps a buffer of this many rows of the vocabulary)."""
+
+
+class LlamaCache:
+    """A KV cache, the ids it holds and what computed them, and the decoding context whose ids it follows.
+    llama.cpp's context is not thread-safe: one generation uses it at a time (`pool.CachePool.borrow`)."""
+
+    def __init__(self, lib, model, params, handles: list, n_vocab: int, batching: Batching, path: Path):
+        ctx = lib.llama_init_from_model(model, params)
+        if not ctx:
+            raise RuntimeError(f"llama.cpp could not create a context for {path}{last_errors()}")
+        batch = lib.llama_batch_init(N_BATCH, 0, 1)
+        handles.append((ctx, batch))
+        self._lib, self._ctx, self._batch, self._mem = lib, ctx, batch, lib.llama_get_memory(ctx)
+        self.n_ctx, self.n_vocab, self.batching, self.path = lib.llama_n_ctx(ctx), n_vocab, batching, path
+        self.kv: list[int] = []
+        """The ids whose keys and values the cache holds, at positions 0..len-1."""
+        self.kv_kernels: list[Kernel] = []
+        """What computed each cached position (see `LlamaCppContext.kernels`)."""
+        self.owner: LlamaCppContext | None = None
+        """The decoding context whose ids the cache follows; another one first keeps only what they share."""
+        self.busy = False
+        """A forward is using it (`pool.CachePool.borrow`)."""
+
+    def set_threads(self, n: int) -> None:
+        self._lib.llama_set_n_threads(self._ctx, n, n)
+
+    def keep_first(self, n: int) -> None:
+        """Drop the cached positions from n on (sequence removal: the cache's own rollback)."""
+        if len(self.kv) > n:
+            if not self._lib.llama_memory_seq_rm(self._mem, 0, n, -1):
+                raise RuntimeError(f"llama.cpp could not remove positions {n}.. from its cache{last_errors()}")
+            del self.kv[n:]
+            del self.kv_kernels[n:]
+
+    def feed(self, tokens: list[int], n_out: int, kernels: Kernel | list[Kernel] = ROW) -> np.ndarray:
+        """Evaluate `tokens` at the positions after the cache; return the logits of the last `n_out` as [n_out, V].
+        `kernels` (for all or for each token) says which kernels compute it, in the calls the model's `batching`
+        cuts for them."""
+        # the decode loop and the API keep a generation inside the context and feed only ids its tokenizer made:
+        # anything else here is a bug, and must not reach llama.cpp's buffers
+        if len(self.kv) + len(tokens) > self.n_ctx:
+            raise InternalError(
+                f"{self.path.name}: {len(self.kv) + len(tokens):,} positions do not fit the llama.cpp "
+                f"context of {self.n_ctx:,}"
+            )
+        if tokens and not 0 <= min(tokens) <= max(tokens) < self.n_vocab:
+            raise InternalError(f"{self.path.name}: a token id outside its vocabulary of {self.n_vocab:,}")
+        kinds = [kernels] * len(tokens) if isinstance(kernels, int) else list(kernels)
+        n_out = min(n_out, len(tokens))
+        first_out = len(tokens) - n_out
+        rows = []
+        for start, end in self.batching.calls(kinds):
+            outs = max(0, end - max(first_out, start))
+            if outs > self.batching.row_batch:  # the last layer runs on the rows read: on the row kernels
+                raise InternalError(f"{outs} rows of logits from one prefill batch (at most {self.batching.row_batch})")
+            for ptr in self._decode(tokens[start:end], len(self.kv), outs):
+                rows.append(np.ctypeslib.as_array(ptr, shape=(self.n_vocab,)).copy())  # the next decode reuses it
+            self.kv.extend(tokens[start:end])
+            self.kv_kernels.extend(kinds[start:end])
+        return np.stack(rows) if rows else np.empty((0, self.n_vocab), dtype=np.float32)
+
+    def _decode(self, tokens: list[int], pos0: int, n_out: int):
+        n = len(tokens)
+        if not 0 < n <= N_BATCH or not 0 <= n_out <= min(n, N_OUTPUTS):  # the C arrays hold N_BATCH entries
+            raise InternalError(f"a llama_decode call of {n} tokens and {n_out} rows of logits")
+        lib, b = self._lib, self._batch
+        b.n_tokens = n
+        for i, t in enumerate(tokens):
+            b.token[i] = t
+            b.pos[i] = pos0 + i
+            b.n_seq_id[i] = 1
+            b.seq_id[i][0] = 0
+            b.logits[i] = i >= n - n_out
+        rc = lib.llama_decode(self._ctx, b)
+        if rc != 0:
+            # the cache may hold part of the batch now: forget it, so the next feed starts from what is known
+            lib.llama_memory_seq_rm(self._mem, 0, pos0, -1)
+            raise RuntimeError(f"llama_decode failed ({rc}) on {n} tokens at position {pos0}{last_errors()}")
+        rows = []
+        for i in range(n - n_out, n):
+            ptr = lib.llama_get_logits_ith(self._ctx, i)
+            if not ptr:
+                raise RuntimeError(f"llama.cpp returned no logits for batch row {i}{last_errors()}")
+            rows.append(ptr)
+        return rows
+
+
+def common_prefix(a: list[int], b: list[int], limit: int) -> int:
+    n, limit = 0, min(len(a), len(b), limit)
+    while n < limit and a[n] == b[n]:
+        n += 1
+    return n

@@ -1,0 +1,128 @@
+"""A model's GGUF file run as it is (its own quantized weights) by llama.cpp, through llama-cpp-python's low-level
+API: the model, its llama.cpp contexts (`pool.py`) and the decoding contexts it opens (`context.py`), which keep every
+position on the kernels `kernels.py` chooses."""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from .binding import GGML_TYPE_BF16, GGML_TYPE_F16, cpu_threads, last_errors, library
+from .cache import N_OUTPUTS, LlamaCache
+from .context import LlamaCppContext
+from .kernels import N_BATCH, ROW, Batching, Kernel
+from .pool import MAX_CACHES, CachePool
+
+N_CTX_CAP = 8192
+"""The most positions a llama.cpp context gets (the catalog's context length, capped for memory)."""
+KV_PAD = 256
+"""llama.cpp pads the attended cache to a multiple of this; n_ctx is one too, so the padding is never cut short."""
+
+
+@dataclass
+class GGUFConfig:
+    """What the rest of the project reads of a model's config."""
+
+    max_position_embeddings: int
+    """The llama.cpp context's size (n_ctx): the most positions this runner takes."""
+    vocab_size: int
+    n_ctx_train: int
+    model_type: str = "gguf"
+
+    def get_text_config(self, *args, **kwargs):
+        return self
+
+
+class LlamaCppModel:
+    """A GGUF loaded by llama.cpp; it is its own runner (`new_context`)."""
+
+    device = torch.device("cpu")
+    dtype = torch.float32
+    """The logits' dtype (the weights stay in their GGUF quantization)."""
+
+    def __init__(
+        self,
+        path: str | Path,
+        n_ctx: int | None = None,
+        n_threads: int | None = None,
+        generation_config=None,
+        name: str | None = None,
+        repacked_weights: bool = True,
+        max_caches: int = MAX_CACHES,
+        **context_params,
+    ):
+        lib = library()
+        self.path = Path(path)
+        self.name_or_path = name or self.path.stem
+        self.generation_config = generation_config
+        mp = lib.llama_model_default_params()
+        mp.n_gpu_layers = 0
+        # repacked weights, as llama.cpp loads them by default: their gemv serves our row batches (kernels.py)
+        mp.use_extra_bufts = repacked_weights
+        self.batching = Batching.for_weights(repacked_weights)
+        model = lib.llama_model_load_from_file(str(self.path).encode(), mp)
+        if not model:
+            raise RuntimeError(f"llama.cpp could not load {self.path}{last_errors()}")
+        self.n_vocab = lib.llama_vocab_n_tokens(lib.llama_model_get_vocab(model))
+        n_train = lib.llama_model_n_ctx_train(model)
+        n_ctx = min(n_ctx or N_CTX_CAP, N_CTX_CAP, n_train if n_train > 0 else N_CTX_CAP)
+        n_ctx = max(KV_PAD, n_ctx // KV_PAD * KV_PAD)
+        threads = n_threads or cpu_threads()
+        cp = lib.llama_context_default_params()
+        cp.n_ctx = n_ctx
+        cp.n_batch = cp.n_ubatch = N_BATCH
+        cp.n_seq_max = 1
+        cp.n_outputs_max = N_OUTPUTS
+        cp.n_threads = cp.n_threads_batch = threads
+        # flash attention with a bf16 V cache beside the f16 K cache: the one-row kernel for any batch (kernels.py)
+        cp.flash_attn_type = lib.LLAMA_FLASH_ATTN_TYPE_ENABLED
+        cp.type_k, cp.type_v = GGML_TYPE_F16, GGML_TYPE_BF16
+        cp.no_perf = True
+        for key, value in context_params.items():  # overrides, for measurements (they may break batch invariance)
+            setattr(cp, key, value)
+        self._lib, self._model, self._params = lib, model, cp
+        self._handles: list = []
+        """Each cache's llama.cpp context and batch, freed before the model."""
+        self._finalizer = weakref.finalize(self, _free, lib, model, self._handles)
+        self.n_threads = threads
+        self.pool = CachePool(self._new_cache, threads, max_caches)
+        self.n_ctx = self.pool.caches[0].n_ctx
+        self.config = GGUFConfig(max_position_embeddings=self.n_ctx, vocab_size=self.n_vocab, n_ctx_train=n_train)
+
+    def __repr__(self) -> str:
+        return f"LlamaCppModel({self.path.name}, n_ctx={self.n_ctx}, n_vocab={self.n_vocab}, threads={self.n_threads})"
+
+    def new_context(self, ids: list[int]) -> LlamaCppContext:
+        return LlamaCppContext(self, ids)
+
+    def close(self) -> None:
+        self._finalizer()
+
+    def _new_cache(self) -> LlamaCache:
+        return LlamaCache(self._lib, self._model, self._params, self._handles, self.n_vocab, self.batching, self.path)
+
+    def forget(self) -> None:
+        self.pool.forget()
+
+    # --- the first cache, for measurements and tests that drive llama.cpp directly ----------------------------------
+
+    @property
+    def kv(self) -> list[int]:
+        return self.pool.caches[0].kv
+
+    def keep_first(self, n: int) -> None:
+        self.pool.caches[0].keep_first(n)
+
+    def feed(self, tokens: list[int], n_out: int, kernels: Kernel | list[Kernel] = ROW) -> np.ndarray:
+        return self.pool.caches[0].feed(tokens, n_out, kernels)
+
+
+def _free(lib, model, handles: list) -> None:
+    for ctx, batch in handles:
+        lib.llama_batch_free(batch)
+        lib.llama_free(ctx)
+    lib.llama_model_free(model)
