@@ -8,6 +8,7 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
+from usd.errors import InternalError
 from usd.sampling import SamplingParams, make_generator, probabilities, sample
 from usd.verify import exact_match, greedy_match, rejection_sampling
 
@@ -95,7 +96,7 @@ def test_rejection_sampling_bonus_after_full_acceptance():
 
 
 def test_rejection_sampling_refuses_impossible_candidate():
-    with pytest.raises(ValueError, match="q = 0"):
+    with pytest.raises(InternalError, match="q = 0"):
         rejection_sampling(torch.stack([dist(1, 1), dist(1, 1)]), dist(1, 0)[None], [1], make_generator(0))
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from .errors import InternalError
 from .sampling import sample, uniform
 
 
@@ -27,7 +28,7 @@ def rejection_sampling(
     for i, d in enumerate(drafted):
         p_d, q_d = float(p[i, d]), float(q[i, d])
         if q_d <= 0.0:
-            raise ValueError(f"candidate {i} (id {d}) has q = 0: it cannot have been sampled from q")
+            raise InternalError(f"candidate {i} (id {d}) has q = 0: it cannot have been sampled from q")
         if uniform(generator) < min(1.0, p_d / q_d):
             continue
         residual = torch.clamp(p[i] - q[i], min=0.0)

@@ -3,7 +3,7 @@
 Lossless needs a position's logits to be the same bits whenever it is evaluated: alone (plain decoding, a drafter
 step), inside a verify batch, or again after a rollback or after another generation displaced it from the cache.
 llama.cpp's CPU backend picks kernels by batch size, and some sum in another order than the one-row kernels
-(before the settings below, 0.3-1.1 logits apart on the registry's GGUFs: `checks.batch_invariance` measures it).
+(`checks.batch_invariance` measures how far a batch moves a position's logits; docs/benchmarks.md has the numbers).
 
 - Attention: without flash attention, KQ and KQV are matmuls against the f16 cache, which llamafile's tinyBLAS serves
   for two queries or more and vec_dot for one; with flash attention and an f16 V cache, one query over 512 cached

@@ -1,8 +1,8 @@
 """On a CPU, which fp32 matrix-multiply backend runs a model's Linear layers: PyTorch's default (MKL or OpenBLAS) or
 oneDNN's. Decoding multiplies by a handful of rows at a time (one for a plain step, k + 1 for a verify), where the two
-differ most and rank differently per machine: on one 2-core AMD EPYC the default was 3x slower than oneDNN at 5 rows
-on a 1536x151936 head, while an Intel Xeon of the same size ranked them the other way. So it is measured, per model
-shape, at load time on the machine at hand, and the choice is cached per machine (docs/design.md, "Runners").
+differ most and rank differently per machine (a 2-core AMD EPYC and an Intel Xeon of its size ranked them opposite ways;
+docs/benchmarks.md has the runners' numbers). So it is measured, per model shape, at load time on the machine at hand,
+and the choice is cached per machine (docs/design.md §7).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ MARGIN = 0.9
 CACHE_FILE = "cpu-kernels.json"
 BUSY = 1.5
 """A choice measured while the 1-minute load average per core exceeds this (our own load counts up to 1) is used but
-not cached: other work makes oneDNN's spinning threads wait their turn, which once timed it 40 times slower than it
+not cached: other work makes oneDNN's spinning threads wait their turn, which can time it many times slower than it
 runs on a quiet machine, and a cached choice would keep that mistake."""
 
 
