@@ -306,7 +306,9 @@ def machine(pair: Pair) -> dict:
 
 
 def _on_llamacpp(model) -> bool:
-    return hasattr(model, "new_context")  # a runner that brings its own contexts (pair.open_context): llama.cpp's
+    from ..runners import Runner
+
+    return isinstance(model, Runner)  # a model that is its own runner (llama.cpp's), not a transformers model
 
 
 def bench(
