@@ -299,7 +299,8 @@ def test_good_settings_reach_loading(no_loading):
 
 
 needs_llamacpp = pytest.mark.skipif(
-    not __import__("usd.runners.llamacpp").runners.llamacpp.available(), reason="the catalog's gguf defaults need llama-cpp-python"
+    not __import__("usd.runners.llamacpp").runners.llamacpp.available(),
+    reason="the catalog's gguf defaults need llama-cpp-python",
 )
 
 
