@@ -37,10 +37,8 @@ class RemotePairs:
     space_mode = False
 
     def __init__(self, base_url: str, api_key: str | None, catalog: Catalog):
-        try:
-            from openai import OpenAI
-        except ImportError:
-            raise LoadError("--backend needs the openai package: pip install 'usd-chat[remote]'") from None
+        from openai import OpenAI
+
         self.url = base_url
         self.catalog = catalog
         self.client = OpenAI(base_url=base_url, api_key=api_key or "none", max_retries=0)
