@@ -424,10 +424,13 @@ def test_space_front_matter_names_an_app_file_that_exists_and_this_gradio():
 def test_space_requirements_match_the_package_dependencies():
     import tomllib
 
-    deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    deps = project["dependencies"] + project["optional-dependencies"]["llamacpp"]
     wanted = {d.split("#")[0].strip() for d in deps if not d.startswith("gradio")}
     lines = (ROOT / "requirements.txt").read_text().splitlines()
-    have = {ln.strip() for ln in lines if ln.strip() and not ln.startswith("#")}
+    have = {
+        ln.split(" --")[0].strip() for ln in lines if ln.strip() and not ln.startswith("#")
+    }  # without pip's options
     assert have == wanted
 
 
