@@ -171,6 +171,19 @@ def test_weights_corrupted_in_place_are_caught_on_load(converted_tiny):
     assert "Traceback" not in msg
 
 
+def test_a_transformers_load_hashes_the_files_it_reads_and_not_the_gguf(converted_tiny):
+    from usd.loading import load_model
+
+    entry, d = converted_tiny
+    (d / store.GGUF_NAME).write_bytes(b"GGUF" * 4096)  # beside the converted weights, as a registry model's lies
+    store._write_manifest(d, entry.name, store._source_key(entry))
+    _flip_block_keeping_stamp(d / store.GGUF_NAME)
+    load_model(entry, device="cpu", precision="fp32", log=lambda m: None)  # 16 KiB of GGUF or 1 GB: not read here
+    checked = pytest.raises(store.StoreError, match=r"model\.gguf does not match its sha256")
+    with checked, store.verifying(d, entry.name, only=store.GGUF_NAME):  # what the llama.cpp runner's load checks
+        pass
+
+
 def test_a_corrupted_header_is_named_instead_of_the_loaders_error(converted_tiny):
     from usd.loading import LoadError, load_model
 

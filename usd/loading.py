@@ -374,7 +374,7 @@ def load_model(
     """Fetch if needed, check memory, and load (model, tokenizer) ready for inference."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from .store import verifying
+    from .store import GGUF_NAME, verifying
 
     entry = spec if isinstance(spec, ModelEntry) else entry_for(spec, catalog)
     device = device or default_device()
@@ -404,7 +404,8 @@ def load_model(
     if plan.precision == "gguf":
         return LoadedModel(entry.name, _load_gguf(entry, path, log), tokenizer, plan, path, entry)
     try:
-        with verifying(path, entry.name):  # pull only compared sizes and mtimes; the bytes are hashed as they load
+        # pull only compared sizes and mtimes: the bytes transformers reads are hashed as they load
+        with verifying(path, entry.name, skip=GGUF_NAME):
             model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
     except StoreError as e:
         raise LoadError(f"{entry.name}: {e}") from None

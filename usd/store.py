@@ -138,12 +138,17 @@ def _read_manifest(mf: Path) -> dict | None:
 
 
 def verify_dir(
-    directory: Path, source_key: str | None = None, full: bool = False, only: str | None = None
+    directory: Path,
+    source_key: str | None = None,
+    full: bool = False,
+    only: str | None = None,
+    skip: str | None = None,
 ) -> str | None:
-    """Check a converted directory against its manifest. Returns None when good, else what is wrong.
+    """Check a store directory against its manifest. Returns None when good, else what is wrong.
 
     Files whose size and mtime match the manifest are trusted unless `full`; any other file is hashed, so a file
-    changed in place (a flipped byte, a truncated copy) is caught by its sha256. `only`: check that one file alone.
+    changed in place (a flipped byte, a truncated copy) is caught by its sha256. `only`: check that one file alone;
+    `skip`: all but that one.
     """
     mf = directory / MANIFEST
     if not mf.is_file():
@@ -155,7 +160,7 @@ def verify_dir(
         return "the catalog entry's source changed since this copy was made"
     refreshed = False
     for rel, want in manifest["files"].items():
-        if only is not None and rel != only:
+        if (only is not None and rel != only) or rel == skip:
             continue
         p = directory / rel
         if not p.is_file():
@@ -178,7 +183,7 @@ def verify_dir(
 
 
 @contextlib.contextmanager
-def verifying(directory: Path, name: str, only: str | None = None) -> Iterator[None]:
+def verifying(directory: Path, name: str, only: str | None = None, skip: str | None = None) -> Iterator[None]:
     """Hash `directory` against its manifest in a background thread while the body runs (the weights load), then
     raise StoreError naming the file that changed.
 
@@ -186,7 +191,8 @@ def verifying(directory: Path, name: str, only: str | None = None) -> Iterator[N
     puts mtimes back) keeps both, and the weights would load as garbage that generates nonsense without an error. So
     the bytes are hashed where they are used; hashlib releases the GIL, so this runs alongside the load. A directory
     without a manifest (a hub snapshot, a local model directory) is not the store's to check. `only`: hash that one
-    file (the GGUF, when the llama.cpp runner loads it).
+    file (the GGUF, when the llama.cpp runner loads it); `skip`: all but that one (the GGUF, which transformers does
+    not read).
     """
     if not (directory / MANIFEST).is_file():
         yield
@@ -195,7 +201,7 @@ def verifying(directory: Path, name: str, only: str | None = None) -> Iterator[N
 
     def check() -> None:
         try:
-            problems.append(verify_dir(directory, full=True, only=only))
+            problems.append(verify_dir(directory, full=True, only=only, skip=skip))
         except OSError as e:  # a bad disk block can fail the read itself
             problems.append(f"a file cannot be read ({e})")
 
