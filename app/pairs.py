@@ -72,7 +72,7 @@ class Pairs:
         for role, e in (("target", t), ("drafter", d)):
             plan = plan_load(e, self.device, self.precision)
             total += plan.estimate_bytes
-            ready = "ready" if local_path(e) is not None else "will be fetched on load"
+            ready = _readiness(e, plan.precision)
             lines.append(
                 f"- **{role}** `{e.name}`: {plan.precision} on {plan.device}, about "
                 f"{plan.estimate_bytes / GiB:.2f} GiB ({ready}). {plan.note}"
@@ -148,6 +148,15 @@ class Pairs:
 
     def key(self) -> tuple:
         return (self.loaded.target, self.loaded.drafter) if self.loaded else ()
+
+
+def _readiness(entry: ModelEntry, precision: str) -> str:
+    """Whether loading `entry` at `precision` has anything to fetch or convert first, in words."""
+    if local_path(entry) is None:
+        return "will be fetched on load"
+    if precision != "gguf" and local_path(entry, converted=True) is None:
+        return "fetched; converted to float32 for transformers at its first load"
+    return "ready"
 
 
 def _free_memory() -> None:

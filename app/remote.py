@@ -37,10 +37,8 @@ class RemotePairs:
     space_mode = False
 
     def __init__(self, base_url: str, api_key: str | None, catalog: Catalog):
-        try:
-            from openai import OpenAI
-        except ImportError:
-            raise LoadError("--backend needs the openai package: pip install 'usd-chat[remote]'") from None
+        from openai import OpenAI
+
         self.url = base_url
         self.catalog = catalog
         self.client = OpenAI(base_url=base_url, api_key=api_key or "none", max_retries=0)
@@ -149,11 +147,7 @@ def stream(
     started = time.perf_counter()
     live = _Remote(started)
     try:
-        if messages is not None:
-            response = model.client.chat.completions.create(messages=messages, **args)
-        else:
-            response = model.client.completions.create(prompt=prompt, **args)
-        with response:
+        with _create(model, messages, prompt, args) as response:
             for chunk in response:
                 if cancel is not None and cancel.is_set():
                     live.stop_reason = "cancelled"
@@ -165,7 +159,38 @@ def stream(
         raise ValueError(f"the backend refused: {_message(e)}") from None
     except openai.APIConnectionError as e:
         raise LoadError(f"cannot reach the backend {model.client.base_url}: {e}") from None
+    if live.stop_reason is None:  # no finish reason: the server ended the stream itself
+        raise ValueError(_broken_off(model, messages, prompt, args, live))
     yield Finished(text=live.text, target_ids=(), stats=live.stats())
+
+
+def _create(model: RemoteModel, messages: list[dict] | None, prompt: str | None, args: dict):
+    if messages is not None:
+        return model.client.chat.completions.create(messages=messages, **args)
+    return model.client.completions.create(prompt=prompt, **args)
+
+
+def _broken_off(model: RemoteModel, messages, prompt, args: dict, live: _Remote) -> str:
+    """Why a stream ended without a finish reason, in words. A server may refuse a request only once its stream has
+    begun: llama-cpp-python's answers a prompt longer than its context with an empty stream of status 200. The same
+    request unstreamed, for one token, then gets the refusal itself (on a new connection if need be: that server
+    drops the one its stream was on)."""
+    import openai
+
+    if live.text:
+        return (
+            f"the backend's stream broke off after {live.rounds} pieces, without a finish reason; the server's own "
+            "log says why"
+        )
+    once = {k: v for k, v in args.items() if k != "stream_options"} | {"stream": False, "max_tokens": 1}
+    retrying = RemoteModel(model.client.with_options(max_retries=1), model.model, model.drafter, model.usd)
+    try:
+        _create(retrying, messages, prompt, once)
+    except openai.APIStatusError as e:
+        return f"the backend refused: {_message(e)}"
+    except openai.APIConnectionError as e:
+        return f"the backend's stream ended empty, and asking again failed: {e}"
+    return "the backend's stream ended empty, without a finish reason; the server's own log says why"
 
 
 ROUND_KEYS = ("pieces", "round", "k", "expected_speedup", "algorithm", "declined")
@@ -287,4 +312,12 @@ class _Remote:
             c=None,
             v=None,
             mean_k=v.get("num_spec_tokens") or 0.0,
+            unreported=self.unreported(),
         )
+
+    def unreported(self) -> tuple[str, ...]:
+        """The stats panel's numbers this server did not send (as `Stats.unreported` keys). No server but usd serve
+        reports the costs c and v, so nothing derived from them either."""
+        drafts = () if self.vllm and "num_draft_tokens" in self.vllm else ("acceptance_rate", "tokens_per_round")
+        usage = () if self.tokens is not None else ("tokens",)
+        return (*drafts, "k", "c", "v", "theoretical_speedup", "expected_speedup", "measured_speedup", *usage)

@@ -121,6 +121,7 @@ class Live:
                 "speedup_basis": None,
                 "expected_speedup": None,
                 "choice": self.choice,
+                "unreported": (),
             }
         out = {
             "tokens_per_s": s.tokens_per_s,
@@ -139,6 +140,7 @@ class Live:
             "speedup_basis": None,
             "expected_speedup": self.expected_speedup,
             "choice": self.choice,
+            "unreported": s.unreported,
         }
         plain_rounds = s.rounds_by_algorithm.get("none", 0)
         if self.baseline_tokens_per_s and s.tokens_per_s:
@@ -190,6 +192,32 @@ def warning_text(n: dict, algorithm: str) -> str | None:
     )
 
 
+STAT_LABELS = {
+    "tokens_per_s": "tokens/s",
+    "acceptance_rate": "acceptance α",
+    "tokens_per_round": "tokens per target forward τ",
+    "k": "draft length k",
+    "c": "drafter cost c",
+    "v": "verify cost v",
+    "theoretical_speedup": "theoretical speedup",
+    "expected_speedup": "expected speedup at this k",
+    "measured_speedup": "measured speedup",
+    "tokens": "the token count (counted here from the stream's chunks instead)",
+}
+"""The stats panel's name for each number that a source may leave unreported (`Stats.unreported`)."""
+
+
+def unreported_text(n: dict) -> str | None:
+    """In words, which numbers the source (a third-party server) did not report, or None when it reported them all."""
+    missing = [STAT_LABELS[k] for k in n.get("unreported") or () if k in STAT_LABELS]
+    if not missing:
+        return None
+    return (
+        f"Not reported by this server: {', '.join(missing)}. (usd serve reports every number here; vLLM with "
+        "per-request metrics on, its drafted and accepted tokens.)"
+    )
+
+
 def stats_html(n: dict, algorithm: str) -> str:
     rows = [
         ("tokens/s", _fmt(n.get("tokens_per_s"), ".1f")),
@@ -208,7 +236,11 @@ def stats_html(n: dict, algorithm: str) -> str:
         ),
         ("tokens · rounds · seconds", f"{n.get('tokens', 0)} · {n.get('rounds', 0)} · {_fmt(n.get('wall_s'), '.1f')}"),
     ]
+    missing = {STAT_LABELS.get(k) for k in n.get("unreported") or ()}
+    rows = [(label, "not reported" if label in missing else value) for label, value in rows]
     body = "".join(f'<tr><th>{k}</th><td data-stat="{k}">{v}</td></tr>' for k, v in rows)
+    unreported = unreported_text(n)
+    body += f'<tr><td colspan="2" class="unreported">{html.escape(unreported)}</td></tr>' if unreported else ""
     warn = warning_text(n, algorithm)
     warn_html = f'<div class="slow-warning">⚠ {html.escape(warn)}</div>' if warn else ""
     stop = n.get("stop_reason")

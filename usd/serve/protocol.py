@@ -11,8 +11,10 @@ from __future__ import annotations
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
+from openai.types import Completion, CompletionChoice
+from openai.types.chat import ChatCompletion, ChatCompletionChunk
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from usd import chat
@@ -432,9 +434,28 @@ def trimmed(text: str, stops: tuple[str, ...]) -> str:
     return text if cut < 0 else text[:cut]
 
 
+class _StreamedTextChoice(CompletionChoice):
+    """A text completion's choice as a stream chunk carries it. OpenAI streams text completions as `Completion`
+    objects whose finish_reason is null until the last one, while the SDK's type requires one (its client reads stream
+    chunks without validating them): this relaxes that one field, and every other is checked as the SDK's."""
+
+    finish_reason: Literal["stop", "length", "content_filter"] | None = None  # type: ignore[assignment]
+
+
+class _CompletionChunk(Completion):
+    choices: list[_StreamedTextChoice]  # type: ignore[assignment]
+
+
+def _wire(kind: type[BaseModel], data: dict) -> dict:
+    """`data` checked as the `openai` package's type `kind` (a maintained schema: a field of the wrong name, type or
+    value fails here, not in a client), as JSON data: the fields given, extensions (`speculative`) included."""
+    return kind.model_validate(data).model_dump(mode="json", exclude_unset=True)
+
+
 @dataclass
 class Shape:
-    """The response shape of one request: chat or text completion, its id, creation time and model."""
+    """The response shape of one request: chat or text completion, its id, creation time and model. Responses and
+    chunks are the `openai` package's ChatCompletion, ChatCompletionChunk and Completion."""
 
     chat: bool
     model: str
@@ -458,12 +479,13 @@ class Shape:
             }
         else:
             choice = {"index": 0, "text": text, "finish_reason": reason, "logprobs": None}
-        return {
+        body = {
             **self._head("chat.completion" if self.chat else "text_completion"),
             "choices": [choice],
             "usage": usage(prompt_tokens, len(done.target_ids)),
             "speculative": spec,
         }
+        return _wire(ChatCompletion if self.chat else Completion, body)
 
     def chunk(
         self, text: str | None = None, reason: str | None = None, role: bool = False, spec: dict | None = None
@@ -476,14 +498,15 @@ class Shape:
         out = {**self._head("chat.completion.chunk" if self.chat else "text_completion"), "choices": [choice]}
         if spec is not None:
             out["speculative"] = spec
-        return out
+        return _wire(ChatCompletionChunk if self.chat else _CompletionChunk, out)
 
     def usage_chunk(self, prompt_tokens: int, completion_tokens: int) -> dict:
-        return {
+        body = {
             **self._head("chat.completion.chunk" if self.chat else "text_completion"),
             "choices": [],
             "usage": usage(prompt_tokens, completion_tokens),
         }
+        return _wire(ChatCompletionChunk if self.chat else _CompletionChunk, body)
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict:
