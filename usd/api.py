@@ -16,12 +16,13 @@ import threading
 from collections.abc import Iterator
 from typing import Literal
 
-from . import chat, decoder, numerics, suggest
+from . import chat, costs, decoder, numerics, suggest
 from .catalog import Catalog, Precision, load_catalog
 from .events import Finished, Round
 from .loading import entry_for, load_model
 from .pair import Pair
 from .settings import GenerationSettings
+from .store import cache_dir
 
 
 def load_pair(
@@ -52,7 +53,7 @@ def load_pair(
             log=log,
         )
     limits = [n for n in (getattr(t.model.config, "max_position_embeddings", None), t_entry.context_length) if n]
-    return Pair(
+    pair = Pair(
         t.model,
         t.tokenizer,
         d.model if d else None,
@@ -61,6 +62,9 @@ def load_pair(
         drafter_name=d.name if d else None,
         context_length=min(limits) if limits else None,
     )
+    if d:  # what auto's bound needs before its first round (usd/costs.py)
+        pair.memory["costs"] = costs.costs_for(pair, cache_dir(), log)
+    return pair
 
 
 def stream(
