@@ -46,11 +46,16 @@ def timed_forward(ctx, base: list[int], n: int) -> float:
 
 
 def _context(model, tokenizer):
+    """A context holding CONTEXT tokens: a prompt, then a few tokens fed as an answer's are (the llama.cpp runner
+    computes a prompt's positions on other kernels than an answer's, and cutting into a prompt re-feeds its batch)."""
     from .pair import open_context
 
     ids = tokenizer.encode(TEXT * 4, add_special_tokens=False)[:CONTEXT]
-    ctx = open_context(model, ids)
+    answer = max(FED) + 1
+    ctx = open_context(model, ids[:-answer])
     ctx.forward(keep=1)
+    ctx.ids.extend(ids[-answer:])
+    ctx.forward(keep=answer)
     return ctx, ids
 
 
