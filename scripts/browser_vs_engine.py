@@ -1,16 +1,18 @@
 """The Chat tab's speed against the engine's, side by side in one run: tokens/s in a real browser (headless Chromium
 driven by Playwright, first token to last as the page shows them) and `usd generate` on the same prompt and settings
-(first token to last as its output arrives, and the tokens/s it reports), for each algorithm, repeated.
+(first token to last as its output arrives, and the tokens/s it reports) and the same generation on a worker
+thread of a fresh process, as the app decodes, for each algorithm, repeated.
 
     PYTHONPATH=. python scripts/browser_vs_engine.py --repeats 3 --tokens 256 --json docs/bench/browser-vs-engine.json
 
 The app runs as a user starts it (`python -m app`, the default pair unless --target/--drafter), on this machine, and
 the browser renders on the same cores. The first chat after the app starts is an `auto` answer (the first answer of
-a freshly loaded pair, reported on its own row); then, per repeat, every algorithm once in the browser and once
-through `usd generate` (a fresh process: its `auto` is always a first answer after a load), the order of the
-algorithms alternating from repeat to repeat. Besides the speeds it records the CPU seconds the app's process and the
-browser's processes spent per browser answer. With --py-spy, each browser answer is also sampled by py-spy
-(`py-spy record --format raw`, one file per answer in --profile-dir): where the app's Python time went.
+a freshly loaded pair, reported on its own row); then, per repeat, every algorithm once in the browser, once through
+`usd generate` and once on a worker thread (fresh processes: their `auto` is always a first answer after a load), the
+order of the algorithms alternating from repeat to repeat. Besides the speeds it records the CPU seconds the app's
+process and the browser's processes spent per browser answer, and the load average. With --py-spy, each browser
+answer is also sampled by py-spy (`py-spy record --format raw`, one file per answer in --profile-dir): where the
+app's Python time went.
 
 Nothing is downloaded: the models must be pulled (`usd pull`), and Debian's chromium installed.
 """
@@ -191,6 +193,47 @@ def engine(algorithm: str, prompt: str, tokens: int, args) -> dict:
     }
 
 
+def engine_on_a_thread(algorithm: str, prompt: str, tokens: int, args) -> dict:
+    """The same generation in a fresh process through the Python API on a worker thread, as the app runs it (on this
+    machine, under load, decoding on a process's main thread, as `usd generate` does, measured several times slower
+    than on another thread): first token to last from the rounds' own times."""
+    command = [sys.executable, __file__, "--worker-engine", algorithm, "--tokens", str(tokens), "--prompt", prompt]
+    for name in ("target", "drafter"):
+        if getattr(args, name):
+            command += [f"--{name}", getattr(args, name)]
+    env = {**os.environ, "USD_CHAT_RECORD": "0"}
+    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True)
+    if done.returncode:
+        raise SystemExit(f"the worker-thread engine failed: {done.stderr[-2000:]}")
+    return {**json.loads(done.stdout.strip().splitlines()[-1]), "load_1min": os.getloadavg()[0]}
+
+
+def worker_engine(args) -> None:
+    """--worker-engine: load the pair as `usd generate` does, generate once on a worker thread, print the times."""
+    import usd
+
+    pair = usd.load_pair(args.target, args.drafter if args.worker_engine != "none" else False, log=lambda *_: None)
+    times: list[tuple[float, int]] = []
+    done = []
+
+    def run():
+        for event in usd.stream(
+            pair, args.prompt, chat_mode=True, algorithm=args.worker_engine, max_new_tokens=args.tokens
+        ):
+            if isinstance(event, usd.Finished):
+                done.append(event)
+            elif event.emitted:
+                times.append((time.perf_counter(), len(event.emitted)))
+
+    worker = threading.Thread(target=run)
+    worker.start()
+    worker.join()
+    (t_first, n_first), (t_last, _) = times[0], times[-1]
+    n = done[0].stats.tokens
+    rate = (n - n_first) / (t_last - t_first) if t_last > t_first else None
+    print(json.dumps({"tokens": n, "tokens_per_s": done[0].stats.tokens_per_s, "first_to_last_tokens_per_s": rate}))
+
+
 def profiled(args, pid: int, name: str):
     """py-spy sampling the app while a browser answer runs (or nothing, without --py-spy)."""
     if not args.py_spy:
@@ -219,34 +262,41 @@ def median(xs):
     return statistics.median(xs) if xs else None
 
 
+def ratio(runs: list, side: str) -> float | None:
+    """The median over the repeats of browser / `side`, each repeat's pair measured next to each other."""
+    return median(
+        r["browser"]["tokens_per_s"] / r[side]["first_to_last_tokens_per_s"]
+        for r in runs
+        if r["browser"]["tokens_per_s"] and r[side]["first_to_last_tokens_per_s"]
+    )
+
+
 def table(results: dict, algorithms: list[str]) -> str:
     lines = [
-        "| algorithm | browser tok/s | `usd generate` tok/s, first token to last | browser / engine | "
-        "`usd generate`'s own tok/s | app CPU s per answer | browser CPU s per answer |",
-        "|---|---:|---:|---:|---:|---:|---:|",
+        "| algorithm | browser tok/s | `usd generate` tok/s | browser / `usd generate` | engine on a worker thread "
+        "tok/s | browser / worker thread | app CPU s | browser CPU s |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     first = results.get("first")
     if first:
         lines.append(
-            f"| auto, first answer after start | {first['tokens_per_s']:.1f} | | | | {first['app_cpu_s']:.1f} | "
+            f"| auto, the first answer after start | {first['tokens_per_s']:.1f} | | | | | {first['app_cpu_s']:.1f} | "
             f"{first['browser_cpu_s']:.1f} |"
         )
     for algorithm in algorithms:
         runs = results["runs"][algorithm]
         b = median(r["browser"]["tokens_per_s"] for r in runs)
         e = median(r["engine"]["first_to_last_tokens_per_s"] for r in runs)
-        ratio = median(
-            r["browser"]["tokens_per_s"] / r["engine"]["first_to_last_tokens_per_s"]
-            for r in runs
-            if r["browser"]["tokens_per_s"] and r["engine"]["first_to_last_tokens_per_s"]
-        )
-        own = median(r["engine"]["tokens_per_s"] for r in runs)
+        w = median(r["thread"]["first_to_last_tokens_per_s"] for r in runs)
         app_cpu = median(r["browser"]["app_cpu_s"] for r in runs)
         browser_cpu = median(r["browser"]["browser_cpu_s"] for r in runs)
         lines.append(
-            f"| {algorithm} | {b:.1f} | {e:.1f} | {ratio:.2f}x | {own:.1f} | {app_cpu:.1f} | {browser_cpu:.1f} |"
+            f"| {algorithm} | {b:.1f} | {e:.1f} | {ratio(runs, 'engine'):.2f}x | {w:.1f} | "
+            f"{ratio(runs, 'thread'):.2f}x | {app_cpu:.1f} | {browser_cpu:.1f} |"
         )
-    loads = [r[side]["load_1min"] for a in algorithms for r in results["runs"][a] for side in ("browser", "engine")]
+    loads = [
+        r[side]["load_1min"] for a in algorithms for r in results["runs"][a] for side in ("browser", "engine", "thread")
+    ]
     lines.append(f"\n1-minute load average during the runs: {min(loads):.1f}-{max(loads):.1f} ({os.cpu_count()} cores)")
     return "\n".join(lines)
 
@@ -264,7 +314,11 @@ def main() -> int:
     ap.add_argument("--py-spy", help="path to py-spy: sample the app during each browser answer")
     ap.add_argument("--profile-dir", default="/tmp/usd-browser-profile")
     ap.add_argument("--json", help="write every measurement here")
+    ap.add_argument("--worker-engine", metavar="ALGORITHM", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.worker_engine:
+        worker_engine(args)
+        return 0
     if not shutil.which("chromium"):
         raise SystemExit("Debian's chromium is needed (apt-get install chromium)")
     from playwright.sync_api import sync_playwright
@@ -286,12 +340,14 @@ def main() -> int:
                 for algorithm in order:
                     b = browser_answer(page, app, algorithm, args, f"{algorithm}-{i}")
                     e = engine(algorithm, args.prompt, args.tokens, args)
-                    results["runs"][algorithm].append({"browser": b, "engine": e})
+                    w = engine_on_a_thread(algorithm, args.prompt, args.tokens, args)
+                    results["runs"][algorithm].append({"browser": b, "engine": e, "thread": w})
                     print(
                         f"{algorithm} #{i}: browser {b['tokens_per_s']:.1f} tok/s ({b['tokens']} tokens, "
                         f"{b['updates']} updates, app CPU {b['app_cpu_s']:.1f} s, browser CPU "
                         f"{b['browser_cpu_s']:.1f} s); usd generate {e['first_to_last_tokens_per_s']:.1f} tok/s "
-                        f"first to last ({e['tokens_per_s']:.1f} as it reports)",
+                        f"first to last ({e['tokens_per_s']:.1f} as it reports); on a worker thread "
+                        f"{w['first_to_last_tokens_per_s']:.1f}",
                         flush=True,
                     )
             page.browser.close()
