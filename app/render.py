@@ -6,6 +6,7 @@ Everything here takes the engine's events (`usd.events`) or plain values, so it 
 from __future__ import annotations
 
 import html
+import itertools
 import time
 from dataclasses import dataclass, field
 
@@ -20,6 +21,9 @@ KIND_LABELS = {
 }
 SLOWER = 0.95
 """Below this measured (or estimated) speedup, the panel says in words that speculation is costing time."""
+CHART_ACCEPTED = "drafted tokens accepted"
+CHART_EMITTED = "tokens emitted"
+"""The per-round chart's two lines (its legend): the drafts the target kept, and every token the round added."""
 
 
 def piece_title(piece: Piece) -> str:
@@ -42,10 +46,37 @@ def piece_span(piece: Piece) -> str:
     )
 
 
+def pieces_spans(pieces) -> str:
+    """The pieces' spans, rejected ones included (struck through), in the order the rounds produced them."""
+    return "".join(piece_span(p) for p in pieces if p.text or p.kind == "rejected")
+
+
 def pieces_html(pieces: list[Piece] | tuple[Piece, ...]) -> str:
-    """Every piece, rejected ones included (struck through), in the order the rounds produced them."""
-    spans = "".join(piece_span(p) for p in pieces if p.text or p.kind == "rejected")
-    return f'<div class="tokens">{spans}</div>'
+    """Every piece in the token view's box."""
+    return f'<div class="tokens">{pieces_spans(pieces)}</div>'
+
+
+class TokenFeed:
+    """What a token view is sent: the spans of the pieces it has not shown yet, with the range of pieces they cover,
+    so an update costs the new pieces (on the wire, in the app and in the browser, which appends them: app/ui.py
+    TOKENS_JS), not the whole answer again. A feed's first update, and its last (`whole`), carry every piece from the
+    first: the page starts its box afresh on them, so nothing it missed stays missing."""
+
+    _runs = itertools.count(1)
+
+    def __init__(self):
+        self.run = next(self._runs)
+        self.sent = 0
+
+    def update(self, pieces, whole: bool = False) -> dict:
+        start = 0 if whole else self.sent
+        self.sent = len(pieces)
+        return {"run": self.run, "from": start, "to": self.sent, "html": pieces_spans(pieces[start:])}
+
+    @staticmethod
+    def empty() -> dict:
+        """An empty view (a cleared chat): a run of its own with no pieces."""
+        return TokenFeed().update([])
 
 
 def legend_html() -> str:
@@ -69,6 +100,8 @@ class Live:
     algorithm: str
     baseline_tokens_per_s: float | None = None
     """Plain decoding's tokens/s for this pair, measured earlier (the compare view, or a plain chat answer)."""
+    earlier_speculative: tuple[str, float] | None = None
+    """(algorithm, tokens/s) of an earlier speculative answer on this pair: what a plain answer is compared with."""
     started: float = field(default_factory=time.perf_counter)
     pieces: list[Piece] = field(default_factory=list)
     k: int = 0
@@ -91,8 +124,8 @@ class Live:
         if self.algorithm == "auto":
             self.choice = auto_choice(event)
         emitted = len([p for p in event.emitted if p.target_id is not None])
-        self.chart.append({"round": event.index, "series": "accepted", "tokens": event.accepted})
-        self.chart.append({"round": event.index, "series": "emitted", "tokens": emitted})
+        self.chart.append({"round": event.index, "series": CHART_ACCEPTED, "tokens": event.accepted})
+        self.chart.append({"round": event.index, "series": CHART_EMITTED, "tokens": emitted})
 
     @property
     def elapsed(self) -> float:
@@ -143,7 +176,13 @@ class Live:
             "unreported": s.unreported,
         }
         plain_rounds = s.rounds_by_algorithm.get("none", 0)
-        if self.baseline_tokens_per_s and s.tokens_per_s:
+        if self.algorithm == "none":
+            # plain decoding against plain decoding is no speedup: only an earlier speculative answer compares
+            if self.earlier_speculative and s.tokens_per_s:
+                algorithm, rate = self.earlier_speculative
+                ratio = s.tokens_per_s / rate
+                out["earlier_speculative"] = {"algorithm": algorithm, "tokens_per_s": rate, "ratio": ratio}
+        elif self.baseline_tokens_per_s and s.tokens_per_s:
             out["measured_speedup"] = s.tokens_per_s / self.baseline_tokens_per_s
             out["speedup_basis"] = "against plain decoding measured earlier on this pair"
         elif s.step_s and s.rounds > plain_rounds and s.tokens_per_s:
@@ -158,6 +197,14 @@ def auto_choice(event: Round) -> str:
     if event.algorithm != "none":
         expected = f", expected {event.expected_speedup:.2f}x" if event.expected_speedup else ""
         return f"{event.algorithm} k={event.k}{expected}"
+    if event.bound is not None:
+        b = event.bound
+        return (
+            f"plain decoding from the first round: speculation cannot pay on this machine. Even if every drafted "
+            f"token were accepted, the best draft length (k={b.k}) would run at {b.speedup:.2f}x the target alone: "
+            f"(k+1) / (k·c + v(k)) = {b.k + 1} / ({b.k}·{b.c:.2f} + {b.v:.2f}), with the drafter's step c = {b.c:.2f} "
+            f"of the target's and a verify of {b.k + 1} tokens v({b.k}) = {b.v:.2f} steps, measured at load"
+        )
     if event.declined is None:
         return "plain decoding (still measuring)"
     algorithm, k, speedup = event.declined
@@ -172,8 +219,8 @@ def _fmt(x, spec: str = ".2f", unit: str = "") -> str:
 def warning_text(n: dict, algorithm: str) -> str | None:
     """A plain-words warning when speculation is costing time on this pair and this hardware."""
     speedup = n.get("measured_speedup")
-    if algorithm == "none" or speedup is None or speedup >= SLOWER:
-        return None
+    if algorithm == "none" or speedup is None or speedup >= SLOWER or n.get("acceptance_rate") is None:
+        return None  # (an answer that drafted nothing was not slowed by speculation)
     why = ""
     if n.get("c") is not None:
         why = (
@@ -219,7 +266,40 @@ def unreported_text(n: dict) -> str | None:
 
 
 def stats_html(n: dict, algorithm: str) -> str:
-    rows = [
+    rows = _plain_rows(n) if algorithm == "none" else _speculative_rows(n)
+    missing = {STAT_LABELS.get(k) for k in n.get("unreported") or ()}
+    rows = [(label, "not reported" if label in missing else value) for label, value in rows]
+    body = "".join(f'<tr><th>{k}</th><td data-stat="{k}">{v}</td></tr>' for k, v in rows)
+    unreported = unreported_text(n)
+    body += f'<tr><td colspan="2" class="unreported">{html.escape(unreported)}</td></tr>' if unreported else ""
+    warn = warning_text(n, algorithm)
+    warn_html = f'<div class="slow-warning">⚠ {html.escape(warn)}</div>' if warn else ""
+    stop = n.get("stop_reason")
+    end = f'<div class="stop-reason">stopped: {html.escape(stop)}</div>' if stop else ""
+    return f'<div class="stats"><table>{body}</table>{warn_html}{end}</div>'
+
+
+def _counts_row(n: dict) -> tuple[str, str]:
+    return "tokens · rounds · seconds", f"{n.get('tokens', 0)} · {n.get('rounds', 0)} · {_fmt(n.get('wall_s'), '.1f')}"
+
+
+def _plain_rows(n: dict) -> list[tuple[str, str]]:
+    """Plain decoding: its speed, and an earlier speculative answer's beside it, when there is one."""
+    rows = [("tokens/s", _fmt(n.get("tokens_per_s"), ".1f"))]
+    earlier = n.get("earlier_speculative")
+    if earlier:
+        rows.append(
+            (
+                f"an earlier speculative answer ({html.escape(earlier['algorithm'])})",
+                f"{earlier['tokens_per_s']:.1f} tokens/s <small>(this plain answer: {earlier['ratio']:.2f}x of "
+                "it)</small>",
+            )
+        )
+    return [*rows, _counts_row(n)]
+
+
+def _speculative_rows(n: dict) -> list[tuple[str, str]]:
+    return [
         ("tokens/s", _fmt(n.get("tokens_per_s"), ".1f")),
         ("acceptance α", _fmt(n.get("acceptance_rate"), ".0%")),
         ("tokens per target forward τ", _fmt(n.get("tokens_per_round"), ".2f")),
@@ -234,18 +314,8 @@ def stats_html(n: dict, algorithm: str) -> str:
             _fmt(n.get("measured_speedup"), ".2f", "x")
             + (f" <small>({n['speedup_basis']})</small>" if n.get("speedup_basis") else ""),
         ),
-        ("tokens · rounds · seconds", f"{n.get('tokens', 0)} · {n.get('rounds', 0)} · {_fmt(n.get('wall_s'), '.1f')}"),
+        _counts_row(n),
     ]
-    missing = {STAT_LABELS.get(k) for k in n.get("unreported") or ()}
-    rows = [(label, "not reported" if label in missing else value) for label, value in rows]
-    body = "".join(f'<tr><th>{k}</th><td data-stat="{k}">{v}</td></tr>' for k, v in rows)
-    unreported = unreported_text(n)
-    body += f'<tr><td colspan="2" class="unreported">{html.escape(unreported)}</td></tr>' if unreported else ""
-    warn = warning_text(n, algorithm)
-    warn_html = f'<div class="slow-warning">⚠ {html.escape(warn)}</div>' if warn else ""
-    stop = n.get("stop_reason")
-    end = f'<div class="stop-reason">stopped: {html.escape(stop)}</div>' if stop else ""
-    return f'<div class="stats"><table>{body}</table>{warn_html}{end}</div>'
 
 
 def answer_text(live: Live) -> str:

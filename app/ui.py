@@ -11,6 +11,7 @@ import inspect
 import queue
 import random
 import threading
+import time
 from collections.abc import Iterator
 from types import SimpleNamespace
 
@@ -37,6 +38,29 @@ MODELS = "models"
 """The concurrency group of every event that runs or loads models."""
 EMPTY_CHART = None
 """An empty plot starts as None: a plot whose first value is an empty frame never draws its series later."""
+UPDATE_S = 0.25
+"""The least time between two updates of a streaming view. Each update costs CPU in the app (Gradio's processing of
+every output) and in the browser (drawing them), on a CPU machine the cores the engine decodes on; a few a second is
+what an eye reads, so the rounds in between are merged into one update (the first round goes out at once)."""
+CHART_S = 2.0
+"""The per-round chart is drawn again at most this often, and at the end: a redraw costs the browser more than every
+other view together (docs/benchmarks.md, "The Chat tab against the engine")."""
+TOKENS_JS = """
+const box = element.querySelector('.tokens');
+let run = null, shown = 0;
+const show = () => {
+  const feed = props.value;
+  if (!feed || typeof feed !== 'object') return;
+  if (feed.run !== run || feed.from === 0) { box.replaceChildren(); run = feed.run; shown = 0; }
+  if (feed.from !== shown) return;
+  box.insertAdjacentHTML('beforeend', feed.html);
+  shown = feed.to;
+};
+show();
+watch('value', show);
+"""
+"""The token view appends what each update brings (render.TokenFeed): its box is not drawn again from the whole
+answer each time."""
 
 
 class InputError(ValueError):
@@ -108,12 +132,10 @@ class Cancels:
                 del self._events[session]
 
 
-def in_background(make_events, cancel: threading.Event) -> Iterator[list]:
-    """Run the engine's event stream on its own thread and hand over, at each look, everything it produced since the
-    last one. The decode loop never waits on Gradio, and when rounds come faster than updates can be rendered and
-    sent (a GPU makes dozens a second, and each update carries the whole token view) they are merged into one update
-    instead of queueing up. On this 2-core CPU a round is slower than an update, so it measures the same as stepping
-    the engine in the request's thread (64 tokens through /generate: 11.4 s vs 11.7 s, medians of 3)."""
+def in_background(make_events, cancel: threading.Event, interval: float = UPDATE_S) -> Iterator[list]:
+    """Run the engine's event stream on its own thread and hand over everything it produced since the last batch, at
+    most one batch per `interval` (the first event at once, the last as soon as the stream ends): the decode loop never
+    waits on Gradio, and the UI's work is bounded by its update rate, not the engine's round rate."""
     q: queue.Queue = queue.Queue()
     end = object()
 
@@ -128,9 +150,18 @@ def in_background(make_events, cancel: threading.Event) -> Iterator[list]:
 
     worker = threading.Thread(target=work, name="usd-decode", daemon=True)
     worker.start()
+    sent = None  # when the last batch went out
     try:
         while True:
             batch = [q.get()]
+            while sent is not None and batch[-1] is not end and not isinstance(batch[-1], _Failed):
+                wait = sent + interval - time.monotonic()
+                if wait <= 0:
+                    break
+                try:
+                    batch.append(q.get(timeout=wait))
+                except queue.Empty:
+                    break
             while not q.empty():
                 batch.append(q.get_nowait())
             for item in batch:
@@ -138,6 +169,7 @@ def in_background(make_events, cancel: threading.Event) -> Iterator[list]:
                     raise item.error
             events = [e for e in batch if e is not end]
             if events:
+                sent = time.monotonic()
                 yield events
             if len(events) < len(batch):
                 return
@@ -183,24 +215,33 @@ def shown_to_user(handler):
     return plain
 
 
-def views(live: render.Live):
-    """The chat tab's token view, stats and chart for a generation so far."""
-    n = live.numbers()
-    return (
-        render.pieces_html(live.pieces),
-        render.stats_html(n, live.algorithm),
-        pd.DataFrame(live.chart) if live.chart else EMPTY_CHART,
-    )
+class ChatViews:
+    """The chat tab's token view, stats and chart for one generation, as updates that cost what changed: the token
+    view gets the new pieces, the chart is drawn again at most every CHART_S (and at the end)."""
+
+    def __init__(self):
+        self.tokens = render.TokenFeed()
+        self.chart_drawn: float | None = None
+
+    def update(self, live: render.Live) -> tuple:
+        done = live.finished is not None
+        chart = gr.skip()
+        now = time.monotonic()
+        if done or self.chart_drawn is None or now - self.chart_drawn >= CHART_S:
+            chart = pd.DataFrame(live.chart) if live.chart else EMPTY_CHART
+            self.chart_drawn = now
+        stats = render.stats_html(live.numbers(), live.algorithm)
+        return self.tokens.update(live.pieces, whole=done), stats, chart
 
 
-def column(live: render.Live | None, label: str) -> tuple[str, str]:
-    """One compare column: its tokens and its heading with the numbers so far."""
+def column(live: render.Live | None, label: str, tokens: render.TokenFeed) -> tuple[dict, str]:
+    """One compare column: its tokens (the new ones) and its heading with the numbers so far."""
     if live is None:
-        return "", f"**{label}**: waiting (runs second)"
+        return tokens.update([]), f"**{label}**: waiting (runs second)"
     n = live.numbers()
     state = "done" if live.finished else "running"
     return (
-        render.pieces_html(live.pieces),
+        tokens.update(live.pieces, whole=live.finished is not None),
         f"**{label}**: {n['wall_s']:.2f} s · {n['tokens']} tokens · {n['tokens_per_s']:.1f} tok/s ({state})",
     )
 
@@ -211,6 +252,8 @@ class Handlers:
     def __init__(self, pairs: Pairs, slots: Slots | None = None, stream=None):
         self.pairs = pairs
         self.cancels = Cancels()
+        self.speculative: dict[tuple, tuple[str, float]] = {}
+        """pair key -> (algorithm, tokens/s) of the last speculative answer that drafted, for plain answers' panel."""
         self.slots = slots
         """Shared with the app's /v1 routes: generations run at once across the UI and /v1, counted together."""
         self.remote = stream is not None
@@ -246,7 +289,11 @@ class Handlers:
     ) -> Iterator[render.Live]:
         """Stream one generation on the loaded pair as a growing `Live`; engine input errors become InputError."""
         pair, key = self.pairs.current(), self.pairs.key()
-        live = render.Live(s.algorithm, baseline_tokens_per_s=self.pairs.baselines.get(key))
+        live = render.Live(
+            s.algorithm,
+            baseline_tokens_per_s=self.pairs.baselines.get(key),
+            earlier_speculative=self.speculative.get(key),
+        )
         cancel = cancel or threading.Event()
         hold = self.slots.hold(cancel) if self.slots else contextlib.nullcontext(True)
         with hold as running:
@@ -264,8 +311,11 @@ class Handlers:
             except ValueError as e:  # PromptError included: the prompt, the context, an algorithm the pair lacks
                 raise InputError(str(e)) from None
         done = live.finished
-        if s.algorithm == "none" and done is not None and done.stats.tokens >= 8:
-            self.pairs.baselines[key] = done.stats.tokens_per_s
+        if done is not None and done.stats.tokens >= 8:
+            if s.algorithm == "none":
+                self.pairs.baselines[key] = done.stats.tokens_per_s
+            elif done.stats.drafted:
+                self.speculative[key] = (s.algorithm, done.stats.tokens_per_s)
 
     # --- chat ------------------------------------------------------------------------------------------------------
 
@@ -290,12 +340,13 @@ class Handlers:
         session = request.session_hash if request else "api"
         cancel = self.cancels.start(session)
         shown = [*history, {"role": "user", "content": prompt}]
+        views = ChatViews()
         try:
             for live in self.run(s, messages=messages, cancel=cancel):
                 answer = render.answer_text(live)
                 if live.finished is not None and live.finished.stats.stop_reason == "cancelled":
                     answer += STOPPED
-                yield ([*shown, {"role": "assistant", "content": answer}], "", *views(live))
+                yield ([*shown, {"role": "assistant", "content": answer}], "", *views.update(live))
         finally:
             self.cancels.end(session, cancel)
 
@@ -328,10 +379,11 @@ class Handlers:
     @shown_to_user
     def compare_ui(self, prompt, algorithm, draft_tokens, temperature, top_p, top_k, seed, max_new_tokens):
         prompt, s = self.checked(prompt, (algorithm, draft_tokens, temperature, top_p, top_k, seed, max_new_tokens))
+        plain_tokens, spec_tokens = render.TokenFeed(), render.TokenFeed()
         for plain, spec, summary in self.compare_stream(prompt, s):
             yield (
-                *column(plain, "plain target"),
-                *column(spec, f"speculative ({s.algorithm})"),
+                *column(plain, "plain target", plain_tokens),
+                *column(spec, f"speculative ({s.algorithm})", spec_tokens),
                 render.summary_html(summary) if summary else "",
             )
 
@@ -351,9 +403,9 @@ class Handlers:
         seed: int | None = DEFAULT.seed,
         max_new_tokens: int = DEFAULT.max_new_tokens,
     ) -> Iterator[tuple[str, list, dict]]:
-        """Chat with the loaded pair (or the named one): streams (text, pieces, stats) after every round.
-        `pieces` is a list of {text, kind, round}; `stats` holds acceptance_rate, tokens_per_round, tokens_per_s,
-        wall_s and more. Empty target/drafter: the loaded pair."""
+        """Chat with the loaded pair (or the named one): streams (text, pieces, stats) as it goes, a few updates a
+        second (the rounds in between merged). `pieces` is a list of {text, kind, round}; `stats` holds
+        acceptance_rate, tokens_per_round, tokens_per_s, wall_s and more. Empty target/drafter: the loaded pair."""
         knobs = (algorithm, draft_tokens, temperature, top_p, top_k, seed, max_new_tokens)
         prompt, s = self.checked(prompt, knobs, target, drafter)
         for live in self.run(s, prompt, chat_mode=True):
@@ -429,10 +481,11 @@ def build(pairs: Pairs, slots: Slots | None = None, stream=api.stream) -> gr.Blo
                 chat.outputs,
                 api_visibility="private",
                 concurrency_id=MODELS,
+                show_progress="hidden",  # its animation redraws the page all along the answer (the views show progress)
             )
         chat.stop.click(h.chat_stop, None, None, concurrency_limit=None, api_visibility="private")
         chat.clear.click(
-            lambda: ([], "", render.pieces_html([]), render.stats_html({}, "auto"), EMPTY_CHART),
+            lambda: ([], "", render.TokenFeed.empty(), render.stats_html({}, "auto"), EMPTY_CHART),
             None,
             chat.outputs,
             api_visibility="private",
@@ -445,6 +498,7 @@ def build(pairs: Pairs, slots: Slots | None = None, stream=api.stream) -> gr.Blo
             compare.outputs,
             api_visibility="private",
             concurrency_id=MODELS,
+            show_progress="hidden",
         )
         demo.load(pairs.describe, None, header, api_visibility="private", concurrency_limit=None)
 
@@ -457,8 +511,13 @@ def _chat_tab() -> SimpleNamespace:
     with gr.Tab("Chat", id="chat"), gr.Row():
         with gr.Column(scale=3):
             chatbot = gr.Chatbot(label="Chat", height=420, elem_id="chatbot")
+            # one line that grows: Gradio sends a one-line box on Enter, and Shift+Enter breaks the line
             box = gr.Textbox(
-                label="Message", placeholder="Ask something, then press Enter or Send", lines=2, elem_id="message"
+                label="Message",
+                placeholder="Ask something, then press Enter or Send (Shift+Enter: a new line)",
+                lines=1,
+                max_lines=8,
+                elem_id="message",
             )
             with gr.Row():
                 send = gr.Button("Send", variant="primary", elem_id="send")
@@ -466,19 +525,30 @@ def _chat_tab() -> SimpleNamespace:
                 clear = gr.Button("Clear chat", elem_id="clear")
         with gr.Column(scale=2):
             gr.HTML(render.legend_html())
-            tokens = gr.HTML(render.pieces_html([]), label="Tokens", elem_id="tokens")
+            tokens = token_view("tokens")
             stats = gr.HTML(render.stats_html({}, "auto"), elem_id="stats")
             chart = gr.LinePlot(
                 EMPTY_CHART,
                 x="round",
                 y="tokens",
                 color="series",
-                height=180,
+                color_title="",  # no title line above the legend, which would push its entries out of the box
+                height=200,
                 label="Tokens per round: accepted drafts and emitted",
                 elem_id="chart",
             )
     return SimpleNamespace(
         chatbot=chatbot, box=box, send=send, stop=stop, clear=clear, outputs=[chatbot, box, tokens, stats, chart]
+    )
+
+
+def token_view(elem_id: str) -> gr.HTML:
+    """A token view: a box the page appends each update's new pieces to (TOKENS_JS, render.TokenFeed)."""
+    return gr.HTML(
+        render.TokenFeed.empty(),
+        html_template='<div class="tokens"></div>',
+        js_on_load=TOKENS_JS,
+        elem_id=elem_id,
     )
 
 
@@ -493,10 +563,10 @@ def _compare_tab() -> SimpleNamespace:
         with gr.Row():
             with gr.Column():
                 plain_head = gr.Markdown("**plain target**")
-                plain = gr.HTML(render.pieces_html([]))
+                plain = token_view("compare-plain")
             with gr.Column():
                 spec_head = gr.Markdown("**speculative**")
-                spec = gr.HTML(render.pieces_html([]))
+                spec = token_view("compare-speculative")
         summary = gr.HTML("", elem_id="compare-summary")
     return SimpleNamespace(prompt=prompt, run=run, outputs=[plain, plain_head, spec, spec_head, summary])
 

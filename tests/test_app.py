@@ -187,8 +187,16 @@ def test_browser_chat_shows_coloured_tokens_stats_and_stop_keeps_the_chat(app):
         page.locator("#algorithm input").fill("slem")
         page.locator("#algorithm input").press("Enter")
         expect(page.locator("#algorithm input")).to_have_value("slem")
-        page.locator("#message textarea").fill("Write a Python function that checks whether a number is prime.")
-        page.locator("#send").click()
+        # Enter sends, Shift+Enter breaks the line (the box says "press Enter or Send")
+        box = page.locator("#message textarea")
+        box.fill("Write a Python function that checks whether a number is prime.")
+        box.press("Shift+Enter")
+        box.press_sequentially("Keep it short.")
+        expect(box).to_have_value("Write a Python function that checks whether a number is prime.\nKeep it short.")
+        expect(page.locator("#chatbot")).not_to_contain_text("prime")  # nothing sent yet
+        box.press("Enter")
+        expect(page.locator("#chatbot")).to_contain_text("Keep it short.", timeout=60_000)
+        expect(box).to_have_value("")
         page.wait_for_selector("#stats .stop-reason", timeout=240_000)
         assert page.locator("#tokens .tok").count() >= 10
         assert page.locator("#tokens .tok-accepted").count() >= 1, "the drafter should get something right"
@@ -221,6 +229,9 @@ def test_browser_chat_shows_coloured_tokens_stats_and_stop_keeps_the_chat(app):
         expect(page.locator("#load-status")).to_contain_text("Could not load", timeout=60_000)
         expect(page.locator("#load-status")).to_contain_text("still usable")
         expect(page.locator("#pair-header")).to_contain_text("smollm2-135m-instruct")
+        # back in the Chat tab, the token view still holds the last answer (it is appended to, not redrawn)
+        page.get_by_role("tab", name="Chat").click()
+        expect(page.locator("#tokens .tok").first).to_be_visible()
         browser.close()
 
 

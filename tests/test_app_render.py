@@ -105,7 +105,7 @@ def test_live_numbers_follow_the_rounds():
     assert n["theoretical_speedup"] == pytest.approx(expected_speedup(0.75, 4, 0.5, 1.5))
     assert n["speedup_basis"].startswith("estimated")
     assert render.answer_text(live) == "aabefghij"
-    assert [r["tokens"] for r in live.chart if r["series"] == "accepted"] == [0, 2, 4]
+    assert [r["tokens"] for r in live.chart if r["series"] == render.CHART_ACCEPTED] == [0, 2, 4]
 
 
 def test_finished_stats_replace_the_running_estimate_and_a_baseline_gives_measured_speedup():
@@ -490,3 +490,71 @@ def test_the_stats_say_in_words_what_auto_chose_and_why():
     plain = render.Live("tli")
     plain.add(declined)
     assert "auto&#x27;s choice" not in render.stats_html(plain.numbers(), "tli")
+
+
+def test_a_plain_answer_shows_no_speedup_of_plain_against_plain_but_an_earlier_speculative_answer():
+    plain = [plain_round(i) for i in range(3)]
+    live = render.Live("none", baseline_tokens_per_s=10.0)
+    for r in with_stats(plain):
+        live.add(r)
+    text = render.stats_html(live.numbers(), "none")
+    assert "measured speedup" not in text and "speedup" not in text and "tokens/s" in text
+    live = render.Live("none", baseline_tokens_per_s=10.0, earlier_speculative=("auto", 20.0))
+    for r in with_stats(plain):
+        live.add(r)
+    n = live.numbers()
+    assert n["measured_speedup"] is None and n["earlier_speculative"]["ratio"] == pytest.approx(n["tokens_per_s"] / 20)
+    text = render.stats_html(n, "none")
+    assert "an earlier speculative answer (auto)" in text and "20.0 tokens/s" in text and "of it" in text
+
+
+def test_when_nothing_can_pay_the_stats_say_so_from_the_first_round_with_the_bound():
+    from usd.events import Bound
+
+    first = Round(0, 0, (piece("x", "target", 0),), 0, 0, 0.0, 0.1, 0.0, "none", bound=Bound(2, 0.97, 0.28, 2.45))
+    live = render.Live("auto")
+    live.add(first)
+    text = render.stats_html(live.numbers(), "auto")
+    assert "plain decoding from the first round: speculation cannot pay on this machine" in text
+    assert "0.97x" in text and "3 / (2·0.28 + 2.45)" in text and "c = 0.28" in text and "v(2) = 2.45" in text
+
+
+def test_an_answer_that_drafted_nothing_is_not_warned_about_speculation():
+    assert render.warning_text({"measured_speedup": 0.8, "acceptance_rate": None}, "auto") is None
+
+
+def test_the_chart_legend_says_what_its_lines_are():
+    live = render.Live("tli")
+    live.add(with_stats([spec_round(0, ["a"], ["b"], "c", "resampled")])[0])
+    assert {r["series"] for r in live.chart} == {"drafted tokens accepted", "tokens emitted"}
+
+
+def test_the_token_view_is_sent_only_its_new_pieces_and_the_whole_answer_at_the_end():
+    feed, pieces = render.TokenFeed(), [piece("a", "target", 0)]
+    first = feed.update(pieces)
+    pieces += [piece("b", "accepted", 1), piece("c", "rejected", 1)]
+    second = feed.update(pieces)
+    assert (first["from"], first["to"], second["from"], second["to"]) == (0, 1, 1, 3)
+    assert ">a<" in first["html"] and ">a<" not in second["html"]
+    assert ">b<" in second["html"] and "<s " in second["html"]
+    assert first["run"] == second["run"] != render.TokenFeed().update([])["run"]
+    last = feed.update(pieces, whole=True)
+    assert (last["from"], last["to"]) == (0, 3) and last["html"] == render.pieces_spans(pieces)
+
+
+def test_background_stream_merges_the_rounds_between_updates():
+    import threading
+
+    from app.ui import in_background
+
+    def rounds():
+        for i in range(40):
+            time.sleep(0.005)
+            yield i
+
+    started = time.monotonic()
+    batches = list(in_background(rounds, threading.Event(), interval=0.1))
+    took = time.monotonic() - started
+    assert [x for b in batches for x in b] == list(range(40))
+    assert batches[0] == [0], "the first round goes out at once"
+    assert len(batches) <= took / 0.1 + 2, f"{len(batches)} updates in {took:.2f} s"

@@ -11,7 +11,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from usd.schedule import K_MAX, K_START, MIN_TRIES, PROBE_BUDGET, PROBE_EVERY, CostModel, Schedule, tau
+from usd.schedule import K_MAX, K_START, MIN_TRIES, PROBE_BUDGET, PROBE_EVERY, CostModel, Schedule, speedup_bound, tau
 
 
 def fake_pair(same_tokenizer=False):
@@ -195,3 +195,113 @@ def test_a_seeded_rejection_sampling_run_drafts_a_length_no_timing_can_change():
     s = Schedule(fake_pair(), "tli", "auto", probe_first=False, seeded_sampling=True)
     generous = World(alpha={"tli": 0.97}, draft={"tli": 0.02})
     assert {k for _, k in generous.run(s, 30)} == {K_START} and s.min_confidence > 0
+
+
+# --- not fooled by load (issue 24 point 2) --------------------------------------------------------------------------
+
+CPU_VERIFY = (1.0, 1.75, 2.36, 3.58, 4.08, 4.83, 5.83, 6.57, 7.04)
+"""The default pair's V(n) in plain steps on a 2-core CPU (docs/benchmarks.md): no draft length pays there."""
+CPU = dict(
+    alpha={"tli": 0.6, "slem": 0.55},
+    draft={"tli": 0.27, "slem": 0.3},
+    verify=lambda n: CPU_VERIFY[n - 1] if n <= len(CPU_VERIFY) else CPU_VERIFY[-1] + 0.5 * (n - len(CPU_VERIFY)),
+)
+
+
+@dataclass
+class Busy(World):
+    """A World whose target forwards take `slowdown` times as long from round `busy_from` on: other work on the
+    machine (a UI drawing updates, another process) that begins while auto decodes plainly."""
+
+    busy_from: int = 10**9
+    slowdown: float = 1.0
+    rounds: int = 0
+
+    def round(self, schedule: Schedule) -> tuple[str, int]:
+        factor = self.slowdown if self.rounds >= self.busy_from else 1.0
+        verify, self.verify = self.verify, lambda n: verify(n) * factor
+        try:
+            return super().round(schedule)
+        finally:
+            self.verify, self.rounds = verify, self.rounds + 1
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_a_machine_that_gets_busy_while_auto_decodes_plainly_does_not_make_speculation_look_cheap(seed):
+    """The plain steps measured in the busy spell are slow, the verifies measured before it quiet: compared across
+    the two, a verify looked cheaper than it is and auto switched to speculating, at a loss. Each forward is now
+    compared with the plain steps measured near it, so the spell slows both alike and auto stays plain."""
+    world = Busy(**CPU, rng=random.Random(seed), busy_from=1000, slowdown=2.5)
+    s = Schedule(fake_pair(), "auto", "auto")
+    assert [m for m, _ in world.run(s, 1000)][-500:].count("none") >= 495  # settled: plain, probes far apart
+    spell = [m for m, _ in world.run(s, 150)]
+    speculating = [i for i, m in enumerate(spell) if m != "none"]
+    assert len(speculating) <= 2, f"auto speculated in {len(speculating)} of the busy spell's rounds: {speculating}"
+
+
+def test_a_mode_that_realises_less_than_plain_decoding_is_dropped_whatever_the_model_predicted(monkeypatch):
+    """The model may be wrong (here it is made to promise tli 1.5x): rounds that realised fewer tokens per second
+    than plain decoding, measured near them, drop the mode from the answer; it is only probed again."""
+    world = World(**LOSES)
+    s = Schedule(fake_pair(), "auto", "auto")
+    real_rate = s.model.rate
+
+    def promising(mode, k):
+        plain = real_rate("none", 0)
+        return 1.5 * plain if mode == "tli" and plain else real_rate(mode, k)
+
+    monkeypatch.setattr(s.model, "rate", promising)
+    chosen = [m for m, _ in world.run(s, 400)]
+    assert chosen[100:].count("tli") / 300 < 0.1, "tli kept running although every round of it lost"
+
+
+# --- no probing where nothing can pay (issue 24 point 3) -----------------------------------------------------------
+
+
+def costed_pair(c: float, v: dict[int, float], **extra):
+    """A pair whose c and v(k) were measured at load (usd/costs.py)."""
+    pair = fake_pair()
+    pair.memory["costs"] = {"step_s": 1.0, "c": c, "v": {str(k): x for k, x in v.items()}, **extra}
+    return pair
+
+
+ON_THIS_CPU = {1: 1.79, 2: 2.45, 4: 4.1}
+"""The default pair's v(k) on a quiet 2-core CPU of this kind (issue 24): with c = 0.28 no k can pay."""
+
+
+def test_the_bound_is_the_best_draft_length_with_every_draft_accepted():
+    v = {**ON_THIS_CPU, 3: (2.45 + 4.1) / 2}  # interpolated between the measured lengths
+    v.update({k: 4.1 + (4.1 - 2.45) / 2 * (k - 4) for k in range(5, K_MAX + 1)})  # along the last slope
+    full = {k: (k + 1) / (k * 0.28 + v[k]) for k in range(1, K_MAX + 1)}
+    k, bound = speedup_bound(0.28, ON_THIS_CPU)
+    assert (k, bound) == (max(full, key=full.get), pytest.approx(max(full.values()))) and bound < 1
+    # general in c: a draft that costs nothing (an n-gram table) is bounded by the verify's cost alone
+    assert speedup_bound(0.0, ON_THIS_CPU)[1] == pytest.approx(max((k + 1) / v[k] for k in v))
+    # an acceptance ceiling (tli's) bounds tau instead of k + 1
+    capped = max(tau(0.5, k) / (k * 0.28 + v[k]) for k in v)
+    assert speedup_bound(0.28, ON_THIS_CPU, ceiling=0.5)[1] == pytest.approx(capped)
+
+
+def test_where_no_draft_length_can_pay_auto_decodes_plainly_from_the_first_round_and_never_probes():
+    pair = costed_pair(0.28, ON_THIS_CPU)
+    s = Schedule(pair, "auto", "auto")
+    assert {m for m, _ in World(**CPU).run(s, 3000)} == {"none"}
+    assert s.bound is not None and s.bound.speedup == pytest.approx(speedup_bound(0.28, ON_THIS_CPU)[1])
+    assert (s.bound.c, s.bound.k) == (0.28, speedup_bound(0.28, ON_THIS_CPU)[0])
+    # a fixed algorithm is the user's choice: it drafts whatever the bound says
+    assert "tli" in {m for m, _ in World(**CPU).run(Schedule(pair, "tli", "auto"), 5)}
+
+
+def test_where_every_draft_accepted_could_pay_auto_probes_as_before():
+    pair = costed_pair(0.05, {1: 1.05, 2: 1.1, 4: 1.2})  # a GPU: verifying a few tokens costs about a step
+    s = Schedule(pair, "auto", "auto")
+    chosen = [m for m, _ in World(**PAYS).run(s, 1 + 3 * MIN_TRIES)]
+    assert s.bound is None and all(chosen.count(m) >= MIN_TRIES for m in ("none", "tli", "slem"))
+
+
+def test_tli_is_left_out_where_its_alpha_ceiling_cannot_pay():
+    v = {1: 1.3, 2: 1.6, 4: 2.2}
+    assert speedup_bound(0.1, v)[1] > 1 > speedup_bound(0.1, v, ceiling=0.3)[1]
+    s = Schedule(costed_pair(0.1, v, tli_ceiling=0.3), "auto", "auto")
+    assert s.modes == ["none", "slem"] and s.bound is None
+    assert Schedule(costed_pair(0.1, v, tli_ceiling=0.9), "auto", "auto").modes == ["none", "tli", "slem"]

@@ -19,12 +19,13 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Literal
 
-from . import chat, decoder, numerics, suggest
+from . import chat, costs, decoder, numerics, suggest
 from .catalog import Catalog, Precision, load_catalog
 from .events import Finished, Round
 from .loading import entry_for, load_model
 from .pair import Pair
 from .settings import GenerationSettings
+from .store import cache_dir
 
 
 def load_pair(
@@ -68,6 +69,8 @@ def load_pair(
     )
     # the target's vocabulary read now, not in a server's first request: reading it holds the interpreter a second
     _token_limits(pair)
+    if d:  # what auto's bound needs before its first round (usd/costs.py)
+        pair.memory["costs"] = costs.costs_for(pair, cache_dir(), log)
     return pair
 
 

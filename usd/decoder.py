@@ -374,6 +374,7 @@ class Generation:
             stats=self.stats(),
             expected_speedup=expected,
             declined=self.schedule.declined if mode == "none" else None,
+            bound=self.schedule.bound if mode == "none" else None,
         )
 
 

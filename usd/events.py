@@ -18,6 +18,20 @@ class Piece:
 
 
 @dataclass(frozen=True)
+class Bound:
+    """The most speculation can gain over plain decoding on this machine, from the drafter's step and the target's
+    verify cost measured at load: (k + 1) / (k c + v(k)) with every drafted token accepted, at the best k
+    (`schedule.speedup_bound`). Below 1, no draft length pays whatever the acceptance."""
+
+    k: int
+    speedup: float
+    c: float
+    """The drafter's step over the target's."""
+    v: float
+    """The target's forward over k + 1 positions over its step, v(k)."""
+
+
+@dataclass(frozen=True)
 class Round:
     index: int
     k: int
@@ -39,6 +53,8 @@ class Round:
     """What auto's cost model expected of this round's (algorithm, k) against plain decoding, when it could tell."""
     declined: tuple[str, int, float] | None = None
     """A plain round of auto's: the best speculating (algorithm, k) it weighed instead, and its expected speedup."""
+    bound: Bound | None = None
+    """A plain round of auto's on a machine where no draft length can pay: the most speculation could gain there."""
 
     @property
     def emitted(self) -> tuple[Piece, ...]:

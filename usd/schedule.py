@@ -26,6 +26,8 @@ lossless: every round emits tokens distributed as the target's, whatever it was 
 
 from __future__ import annotations
 
+from .events import Bound
+
 K_START = 4
 """The draft length a mode is first tried at, before anything is known about it."""
 K_MAX = 8
@@ -42,7 +44,15 @@ drafter catching up on a long context, say) waits until it is this share of the 
 PROBE_BUDGET_MAX = 1024
 """The longest such wait, in rounds: a probe inflated by a one-off cost (a first call's warm-up) is not trusted more."""
 DECAY = 0.85
-"""Weight of the past in the running means of times: about the last seven observations count."""
+"""Weight of the past in the running means of the drafter's step and a round's other work: about the last seven
+observations count."""
+WINDOW = 5
+"""Forward times kept per length: the estimate is their median, so forwards slowed by other work on the machine (a UI
+update, another process) move it only once most of the recent ones were slowed."""
+REALISED_ROUNDS = 8
+"""Rounds of a mode in one answer after which what they achieved is checked against plain decoding's speed measured
+near them: a mode that realised fewer tokens/s is dropped from the answer (only probed again), whatever the model
+predicted. A mode that pays 1.5x falls below plain over 8 rounds in about 3% of answers at alpha 0.6."""
 ALPHA_DECAY = 0.97
 """The same for acceptance, counted per tested position: about the last thirty count (fewer make k jump around)."""
 MIN_CONFIDENCE = 0.25
@@ -60,6 +70,48 @@ def tested_positions(accepted: int, drafted: int) -> int:
     return accepted + (1 if accepted < drafted else 0)
 
 
+def speedup_bound(c: float, v: dict[int, float], ceiling: float = 1.0, k_max: int = K_MAX) -> tuple[int, float]:
+    """The most speculation can gain over plain decoding at each draft length, (k + 1) / (k c + v(k)) when every drafted
+    token is accepted, or tau(ceiling, k) / (k c + v(k)) when acceptance cannot exceed `ceiling` (tli's alpha ceiling);
+    `v`: the measured v(k) (others interpolated, `interpolate`). Returns the best k and its bound: where the bound is
+    below 1, no draft length can pay, whatever the acceptance."""
+    known = {1 + k: vk for k, vk in v.items()} | {1: 1.0}
+    bounds = [(k, tau(ceiling, k) / (k * c + interpolate(known, k + 1))) for k in range(1, k_max + 1)]
+    return max(bounds, key=lambda kb: (kb[1], -kb[0]))
+
+
+def interpolate(known: dict[int, float], n: int) -> float:
+    """A forward's time (or cost) over n positions from the lengths measured: the measured value, interpolated between
+    measured lengths, extrapolated along the last measured slope beyond them (never assumed flat or linear)."""
+    points = sorted(known.items())
+    if n in known:
+        return known[n]
+    below = [(a, t) for a, t in points if a < n]
+    above = [(a, t) for a, t in points if a > n]
+    if below and above:
+        (a, ta), (b, tb) = below[-1], above[0]
+        return ta + (tb - ta) * (n - a) / (b - a)
+    if len(points) == 1:
+        a, ta = points[0]
+        return ta * n / a  # one length known: proportional, the cautious guess until another is measured
+    (a, ta), (b, tb) = (points[-2], points[-1]) if below else (points[0], points[1])
+    slope = max(0.0, (tb - ta) / (b - a))
+    return tb + slope * (n - b) if below else max(0.0, ta - slope * (a - n))
+
+
+def median(xs: list[float]) -> float | None:
+    xs = sorted(xs)
+    if not xs:
+        return None
+    mid = len(xs) // 2
+    return xs[mid] if len(xs) % 2 else (xs[mid - 1] + xs[mid]) / 2
+
+
+def _keep_last(window: list, x, n: int = WINDOW) -> None:
+    window.append(x)
+    del window[:-n]
+
+
 class Mean:
     """A decayed running mean kept as [sum, weight] in a JSON-friendly list (it lives in pair.memory)."""
 
@@ -74,14 +126,25 @@ class Mean:
 
 
 class CostModel:
-    """What this machine measured for this pair: V(n), and per mode the drafter step, overhead and acceptance."""
+    """What this machine measured for this pair: V(n), and per mode the drafter step, overhead and acceptance.
+
+    A forward's time is compared only with plain steps measured near it: each verify is kept with its ratio to the
+    plain step of that moment (the median of the last WINDOW), and V(n) is that ratio times the plain step now; the
+    drafter's step likewise. So other work that slows the machine for a while slows the estimates of plain and
+    speculative rounds alike, instead of making whichever was measured in the quiet look cheap."""
 
     def __init__(self, memory: dict):
-        self.verify = memory.setdefault("verify", {})  # str(n) -> [sum, weight] seconds for a forward over n
-        self.modes = memory.setdefault("modes", {})  # mode -> {"draft", "other", "hits", "trials", "rounds"}
+        self.steps = memory.setdefault("steps", [])  # seconds of the last WINDOW forwards over one position
+        self.verify = memory.setdefault("verify", {})  # str(n) -> the last WINDOW [seconds, seconds / step then]
+        self.modes = memory.setdefault("modes", {})  # mode -> {"draft", "c", "other", "hits", "rounds"}
 
     def _mode(self, mode: str) -> dict:
-        return self.modes.setdefault(mode, {"draft": [0.0, 0.0], "other": [0.0, 0.0], "hits": [0.0, 0.0], "rounds": 0})
+        cells = ("draft", "c", "other", "hits")
+        return self.modes.setdefault(mode, {**{c: [0.0, 0.0] for c in cells}, "rounds": 0})
+
+    def step(self) -> float | None:
+        """The target's single step: the median of the recent ones."""
+        return median(self.steps)
 
     def observe(
         self,
@@ -97,14 +160,19 @@ class CostModel:
         """`fed`: the positions the verify forward fed (drafted + 1 but in round 0, which feeds only the drafts: the
         prompt's last position was fed with the prompt); a forward that fed none tells nothing of V."""
         fed = drafted + 1 if fed is None else fed
-        if fed:
-            Mean.add(self.verify.setdefault(str(fed), [0.0, 0.0]), verify_s)
+        step = self.step()  # the plain steps measured before this round: its reference
+        if fed == 1:
+            _keep_last(self.steps, verify_s)
+        elif fed:
+            _keep_last(self.verify.setdefault(str(fed), []), [verify_s, verify_s / step if step else None])
         m = self._mode(mode)
         m["rounds"] += 1
         Mean.add(m["other"], max(0.0, other_s))
         if draft_steps:
             for _ in range(draft_steps):
                 Mean.add(m["draft"], draft_s / draft_steps)
+                if step:
+                    Mean.add(m["c"], draft_s / draft_steps / step)
         if drafted:
             for i in range(tested_positions(accepted, drafted)):  # acceptance as the verifier saw it
                 Mean.add(m["hits"], 1.0 if i < accepted else 0.0, ALPHA_DECAY)
@@ -116,32 +184,30 @@ class CostModel:
         return Mean.of(self.modes.get(mode, {}).get("hits"))
 
     def V(self, n: int) -> float | None:
-        """The target's forward over n positions: measured, interpolated, or extrapolated along the last slope."""
-        means = ((int(key), Mean.of(cell)) for key, cell in self.verify.items())
-        known = sorted((n_pos, t) for n_pos, t in means if t is not None)
-        if not known:
-            return None
-        exact = dict(known)
-        if n in exact:
-            return exact[n]
-        below = [(a, t) for a, t in known if a < n]
-        above = [(a, t) for a, t in known if a > n]
-        if below and above:
-            (a, ta), (b, tb) = below[-1], above[0]
-            return ta + (tb - ta) * (n - a) / (b - a)
-        if len(known) == 1:
-            a, ta = known[0]
-            return ta * n / a  # one length known: proportional, the cautious guess until another is measured
-        (a, ta), (b, tb) = (known[-2], known[-1]) if below else (known[0], known[1])
-        slope = max(0.0, (tb - ta) / (b - a))
-        return tb + slope * (n - b) if below else max(0.0, ta - slope * (a - n))
+        """The target's forward over n positions: its ratio to the plain step measured near it, times the plain step
+        now (`interpolate`d between measured lengths); in absolute seconds while no plain step has been measured (a
+        fixed algorithm that never decodes plainly)."""
+        step = self.step()
+        ratios = {int(key): median([r for _, r in cells if r is not None]) for key, cells in self.verify.items()}
+        relative = {n_pos: r for n_pos, r in ratios.items() if r is not None}
+        if step is not None:
+            return step * interpolate({**relative, 1: 1.0}, n)
+        absolute = {int(key): median([t for t, _ in cells]) for key, cells in self.verify.items() if cells}
+        known = {n_pos: t for n_pos, t in absolute.items() if t is not None}
+        return interpolate(known, n) if known else None
+
+    def draft_step(self, mode: str) -> float:
+        """The drafter's step in seconds: its ratio to the plain steps near it, times the plain step now."""
+        m, step = self.modes[mode], self.step()
+        c = Mean.of(m["c"])
+        return c * step if c is not None and step else (Mean.of(m["draft"]) or 0.0)
 
     def round_cost(self, mode: str, k: int) -> float | None:
         verify = self.V(k + 1)
         m = self.modes.get(mode)
         if verify is None or m is None:
             return None
-        return k * (Mean.of(m["draft"]) or 0.0) + verify + (Mean.of(m["other"]) or 0.0)
+        return k * self.draft_step(mode) + verify + (Mean.of(m["other"]) or 0.0)
 
     def rate(self, mode: str, k: int) -> float | None:
         """Expected emitted tokens per second of (mode, k); mode "none" is plain decoding (k = 0)."""
@@ -194,11 +260,38 @@ class Schedule:
         for m in self.modes:
             self.since.setdefault(m, 0)
         self.setup_s = memory.setdefault("setup_s", {})  # mode -> setup seconds its next wait has yet to pay off
+        self.realised: dict[str, list[float]] = {}
+        """This answer's rounds of each speculating mode: [their seconds, what plain decoding, measured near each,
+        would have taken for their tokens, how many]."""
+        self.dropped: set[str] = set()
+        """Modes that realised less than plain decoding in this answer: never the best again in it, only probed."""
+        self.bound = self._bound(pair) if algorithm == "auto" else None
+        """auto only: when no draft length can pay on this machine (`speedup_bound` below 1 for every mode, from the c
+        and v(k) measured at load, usd/costs.py), the best of those bounds; auto then decodes plainly from the first
+        round and never probes."""
+        if self.bound is not None:
+            self.modes = ["none"]
         self.expected_speedup: float | None = None
         """What the model expects of the round just chosen, against plain decoding (None until it can tell)."""
         self.declined: tuple[str, int, float] | None = None
         """When auto chose a plain step although it could speculate: the best speculating (mode, k) it weighed and
         the speedup it expected of it (below 1 where speculation does not pay on this machine)."""
+
+    def _bound(self, pair) -> Bound | None:
+        """What speculation can gain here at most (`speedup_bound`), from the c and v(k) measured at load; modes that
+        cannot pay are left out (tli when its alpha ceiling rules it out). The bound when none can pay, else None
+        (also where nothing was measured: then every mode is probed)."""
+        costs = pair.memory.get("costs")
+        if not costs:
+            return None
+        c, v = costs["c"], {int(k): vk for k, vk in costs["v"].items()}
+        k, speedup = speedup_bound(c, v)
+        if speedup < 1:
+            return Bound(k, speedup, c, interpolate({1 + kk: vk for kk, vk in v.items()} | {1: 1.0}, k + 1))
+        ceiling = costs.get("tli_ceiling")
+        if "tli" in self.modes and ceiling is not None and speedup_bound(c, v, ceiling)[1] < 1:
+            self.modes.remove("tli")
+        return None
 
     def k_for(self, mode: str) -> int:
         if mode == "none":
@@ -232,10 +325,17 @@ class Schedule:
     def _choose(self) -> str:
         untried = [m for m in self.modes if self.model.rounds(m) < MIN_TRIES]
         if untried:
-            return min(untried, key=self.model.rounds)
-        best = min(self.modes, key=self.per_token)
+            # in turn with plain steps, so that every trial is judged against plain steps measured next to it
+            rotation = list(dict.fromkeys([*untried, *(m for m in self.modes if m == "none")]))
+            return max(rotation, key=lambda m: self.since[m])
+        best = self._best()
         overdue = [m for m in self.modes if m != best and self.since[m] >= self.gap.get(m, PROBE_EVERY)]
         return max(overdue, key=lambda m: self.since[m]) if overdue else best
+
+    def _best(self, modes: list[str] | None = None) -> str:
+        """The mode of the least expected time per token, leaving out those this answer dropped."""
+        kept = [m for m in modes or self.modes if m not in self.dropped]
+        return min(kept, key=self.per_token)
 
     def observe(
         self,
@@ -260,13 +360,16 @@ class Schedule:
         for m in self.modes:
             self.since[m] = 0 if m == mode else self.since[m] + 1
         verify_s = seconds - draft_s if verify_s is None else verify_s
+        plain = self.per_token("none")  # before this round's times count: what plain decoding costs near it
         self.model.observe(mode, drafted, accepted, draft_s, draft_steps, verify_s, seconds - draft_s - verify_s, fed)
+        if mode != "none" and len(self.modes) > 1:
+            self._check_realised(mode, seconds, emitted, plain)
         if setup_s:
             self.setup_s[mode] = self.setup_s.get(mode, 0.0) + setup_s  # paid off at its next wait, once it is judged
         # a fixed algorithm's rounds tell auto too (the memory is the pair's) when that mode is next worth probing
         rivals = ["none", *(m for m in self.modes if m != "none")]
         if len(rivals) > 1 and self.model.rounds(mode) >= MIN_TRIES:
-            best = min(rivals, key=self.per_token)
+            best = self._best(rivals)
             if mode == best:
                 self.gap[mode] = PROBE_EVERY
                 self.setup_s.pop(mode, None)
@@ -274,6 +377,21 @@ class Schedule:
                 wait = self.gap.get(mode, PROBE_EVERY // 2)
                 longer = 2 * wait if wait < PROBE_MAX else wait  # never shorter while it keeps losing
                 self.gap[mode] = max(longer, self._rounds_to_amortise(seconds + self.setup_s.pop(mode, 0.0), emitted))
+
+    def _check_realised(self, mode: str, seconds: float, emitted: int, plain_per_token: float) -> None:
+        """Drop `mode` from this answer once its rounds here took longer than plain decoding would have for the same
+        tokens, plain decoding's speed measured near them (taken back if later probes make up for it)."""
+        if plain_per_token == float("inf"):
+            return
+        cell = self.realised.setdefault(mode, [0.0, 0.0, 0])
+        cell[0] += seconds
+        cell[1] += emitted * plain_per_token
+        cell[2] += 1
+        if cell[2] >= REALISED_ROUNDS:
+            if cell[0] > cell[1]:
+                self.dropped.add(mode)
+            else:
+                self.dropped.discard(mode)
 
     def _rounds_to_amortise(self, seconds: float, emitted: int) -> int:
         """Plain rounds after which a round that took `seconds` for `emitted` tokens cost PROBE_BUDGET of the time."""

@@ -42,6 +42,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from .costs import timed_forward
 from .datasets import Prompt
 from .drafters import target_proposal
 from .runners import Runner, runner_for
@@ -373,17 +374,6 @@ def replay(target: Model, drafter: Model, ref: Reference, algorithm: str, k: int
     return out
 
 
-def _timed_forward(ctx, base: list[int], n: int) -> float:
-    """Seconds of one forward over the last n tokens of `base`, the cache holding the rest (as a verify forward)."""
-    ctx.truncate(len(base) - n)
-    if getattr(ctx, "cached", len(ctx.ids)) < len(ctx.ids):
-        ctx.forward(keep=1)  # a sliding-window cache was rebuilt: refill it, untimed
-    ctx.ids.extend(base[len(base) - n :])
-    t0 = time.perf_counter()
-    ctx.forward(keep=n)
-    return time.perf_counter() - t0
-
-
 def _context(model: Model, ids: list[int]):
     ctx = model.runner.new_context(ids)
     ctx.forward(keep=1)
@@ -398,7 +388,7 @@ def time_verify(target: Model, ref: Reference, repeats: int = REPEATS) -> dict:
     times: dict[int, list[float]] = {n: [] for n in range(1, K_MAX + 2)}
     for _ in range(repeats + 1):
         for n in range(K_MAX + 1, 0, -1):  # longest first: a sliding-window cache can always crop what it just fed
-            times[n].append(_timed_forward(ctx, base, n))
+            times[n].append(timed_forward(ctx, base, n))
     med = {n: min(ts[1:]) for n, ts in times.items()}  # the first repeat warms up
     return {"v": {k: med[k + 1] / med[1] for k in range(1, K_MAX + 1)}, "step_s": med[1]}
 
@@ -414,8 +404,8 @@ def time_c(target: Model, drafter: Model, ref: Reference, pair=None, repeats: in
     t_ctx, d_ctx = _context(target, t_base), _context(drafter, d_base)
     t_times, d_times = [], []
     for _ in range(repeats + 1):
-        t_times.append(_timed_forward(t_ctx, t_base, 1))
-        d_times.append(_timed_forward(d_ctx, d_base, 1))
+        t_times.append(timed_forward(t_ctx, t_base, 1))
+        d_times.append(timed_forward(d_ctx, d_base, 1))
     return min(d_times[1:]) / min(t_times[1:])
 
 

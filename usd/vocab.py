@@ -168,9 +168,13 @@ def alpha_ceiling(target_tokenizer, overlap: Overlap, text: str = CEILING_SAMPLE
     """The highest acceptance rate tli can reach on `text`: the share of the target's own tokens of it that the shared
     vocabulary holds. tli drafts only shared tokens, so where the target's tokenization steps outside them a draft
     must fail; slem drafts free text and is not bound by it."""
-    shared = set(overlap.drafter_to_target.values())
+    return ceiling_of(target_tokenizer, set(overlap.drafter_to_target.values()), text)
+
+
+def ceiling_of(target_tokenizer, shared_target_ids: set[int], text: str = CEILING_SAMPLE) -> float:
+    """`alpha_ceiling` from the target ids the shared vocabulary holds (a loaded pair's `intersection`)."""
     ids = target_tokenizer.encode(text, add_special_tokens=False)
-    return sum(i in shared for i in ids) / len(ids)
+    return sum(i in shared_target_ids for i in ids) / len(ids)
 
 
 def same_vocabulary(a, b) -> bool:

@@ -1,0 +1,82 @@
+"""c and v(k) measured at load (usd/costs.py) on tiny random models: measured once and cached per machine, measured
+again while the machine is busy, and read by auto, which then decodes plainly from the first round where no draft
+length can pay (its rounds say so) and never opens the drafter."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import tiny_tokenizers as tiny
+from tiny_pairs import tiny_pair
+
+from usd import costs
+from usd.decoder import stream
+from usd.events import Finished
+from usd.pair import Pair
+from usd.schedule import speedup_bound
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.fixture(scope="module")
+def pair():
+    t, d = tiny.target(), tiny.drafter_byte_level()
+    target, drafter = tiny_pair(t, d, seed=0)
+    return Pair(target, t, drafter, d, "tiny-target", "tiny-drafter")
+
+
+def test_measured_once_then_read_from_the_cache(pair, tmp_path, monkeypatch):
+    monkeypatch.setattr(costs, "busy", lambda: False)
+    first = costs.costs_for(pair, tmp_path, log=lambda *_: None)
+    assert first["step_s"] > 0 and first["c"] > 0 and set(first["v"]) == {"1", "2", "4"}
+    assert (tmp_path / costs.CACHE_FILE).is_file()
+
+    def no_measuring(_):
+        raise AssertionError("measured again although the cache holds this pair on this machine")
+
+    monkeypatch.setattr(costs, "measure", no_measuring)
+    again = costs.costs_for(pair, tmp_path, log=lambda *_: None)
+    assert {k: again[k] for k in ("step_s", "c", "v")} == {k: first[k] for k in ("step_s", "c", "v")}
+
+
+def test_a_busy_machine_measures_but_does_not_cache(pair, tmp_path, monkeypatch):
+    said = []
+    monkeypatch.setattr(costs, "busy", lambda: True)
+    assert costs.costs_for(pair, tmp_path, log=said.append)["c"] > 0
+    assert not (tmp_path / costs.CACHE_FILE).exists() and "busy" in said[0]
+
+
+def test_a_broken_cache_entry_is_measured_again(pair, tmp_path, monkeypatch):
+    monkeypatch.setattr(costs, "busy", lambda: False)
+    broken = {costs.machine_key(pair): {"step_s": -1, "c": "x", "v": {}}}
+    (tmp_path / costs.CACHE_FILE).write_text(json.dumps(broken))
+    assert costs.costs_for(pair, tmp_path, log=lambda *_: None)["step_s"] > 0
+
+
+def test_the_tli_ceiling_is_looked_up_only_where_full_acceptance_could_pay(pair, tmp_path, monkeypatch):
+    monkeypatch.setattr(costs, "busy", lambda: False)
+    monkeypatch.setattr(costs, "measure", lambda _: {"step_s": 0.03, "c": 0.3, "v": {"1": 1.8, "2": 2.5, "4": 4.1}})
+    assert "tli_ceiling" not in costs.costs_for(pair, tmp_path, log=lambda *_: None)
+    monkeypatch.setattr(costs, "measure", lambda _: {"step_s": 0.03, "c": 0.05, "v": {"1": 1.1, "2": 1.2, "4": 1.4}})
+    ceiling = costs.costs_for(pair, tmp_path / "gpu", log=lambda *_: None)["tli_ceiling"]
+    assert 0 < ceiling <= 1
+
+
+def test_auto_decodes_plainly_from_the_first_round_where_nothing_can_pay_and_says_why(pair):
+    c, v = 0.3, {"1": 1.8, "2": 2.5, "4": 4.1}
+    pair.memory.clear()
+    pair.memory["costs"] = {"step_s": 0.03, "c": c, "v": v}
+    ids = pair.target_tokenizer.encode("def fibonacci(n):")
+    drafter_calls = []
+    hook = pair.drafter.register_forward_hook(lambda *_: drafter_calls.append(1))
+    try:
+        events = list(stream(pair, ids, algorithm="auto", max_new_tokens=12))
+    finally:
+        hook.remove()
+    rounds, done = events[:-1], events[-1]
+    assert isinstance(done, Finished) and done.stats.drafted == 0
+    assert {r.algorithm for r in rounds} == {"none"}
+    k, bound = speedup_bound(c, {int(x): y for x, y in v.items()})
+    assert all(r.bound is not None and (r.bound.k, r.bound.speedup) == (k, bound) for r in rounds)
+    assert not drafter_calls, "the drafter was run (its prompt prefilled) although auto never drafts"

@@ -1,0 +1,134 @@
+"""What a round costs on this machine before any round has run: the drafter's step over the target's (c) and the
+target's forward over k + 1 positions over its single step (v(k)), timed at load in a few forwards, or read from a
+per-machine cache, as cpu_kernels and static_cache keep their choices. From them alone auto bounds what speculation
+can gain here (`schedule.speedup_bound`): where no draft length could pay even if every drafted token were accepted,
+it decodes plainly from the first round and never probes (docs/design.md §6).
+
+The lengths timed are a step and the verifies of k = 1, 2 and 4, interleaved, each the fastest of a few repeats
+(other work on a shared machine only ever adds time); the others are interpolated, and extrapolated along the last
+slope, as auto's cost model reads V(n).
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import torch
+
+from .runners.transformers.cpu_kernels import busy, read_choices, write_choices
+from .schedule import speedup_bound
+from .vocab import ceiling_of
+
+FED = (5, 3, 2)
+"""Positions a timed verify feeds besides the plain step (k = 4, 2, 1), longest first: a sliding-window cache can
+always crop what it just fed."""
+REPEATS = 2
+CONTEXT = 64
+"""Tokens in the contexts timed: a short chat's prompt."""
+CACHE_FILE = "pair-costs.json"
+TEXT = (
+    "Speculative decoding lets a small model propose several tokens that the large model then checks in one pass. "
+    "When the proposals are right, the answer arrives faster; when they are wrong, nothing is lost but a little "
+    "time. def fibonacci(n):\n    seq = [0, 1]\n    while len(seq) < n:\n        seq.append(seq[-1] + seq[-2])\n"
+)
+
+
+def timed_forward(ctx, base: list[int], n: int) -> float:
+    """Seconds of one forward over the last n tokens of `base`, the cache holding the rest (as a verify forward)."""
+    ctx.truncate(len(base) - n)
+    if getattr(ctx, "cached", len(ctx.ids)) < len(ctx.ids):
+        ctx.forward(keep=1)  # a sliding-window cache was rebuilt: refill it, untimed
+    ctx.ids.extend(base[len(base) - n :])
+    t0 = time.perf_counter()
+    ctx.forward(keep=n)
+    return time.perf_counter() - t0
+
+
+def _context(runner, tokenizer):
+    """A context holding CONTEXT tokens: a prompt, then a few tokens fed as an answer's are (the llama.cpp runner
+    computes a prompt's positions on other kernels than an answer's, and cutting into a prompt re-feeds its batch)."""
+    ids = tokenizer.encode(TEXT * 4, add_special_tokens=False)[:CONTEXT]
+    answer = max(FED) + 1
+    ctx = runner.new_context(ids[:-answer])
+    ctx.forward(keep=1)
+    ctx.ids.extend(ids[-answer:])
+    ctx.forward(keep=answer)
+    return ctx, ids
+
+
+@torch.inference_mode()
+def measure(pair) -> dict:
+    """{"step_s": the target's step, "c": drafter step / target step, "v": {k: V(k + 1) / V(1)}} on this machine."""
+    target, t_ids = _context(pair.target_runner, pair.target_tokenizer)
+    drafter, d_ids = _context(pair.drafter_runner, pair.drafter_tokenizer)
+    steps, draft_steps = [], []
+    verify: dict[int, list[float]] = {n: [] for n in FED}
+    timed_forward(target, t_ids, 1), timed_forward(drafter, d_ids, 1)  # warm both: a first forward pays page faults
+    for _ in range(REPEATS):
+        steps.append(timed_forward(target, t_ids, 1))
+        for i, n in enumerate(FED):
+            verify[n].append(timed_forward(target, t_ids, n))
+            if i == 0:
+                draft_steps.append(timed_forward(drafter, d_ids, 1))
+    for runner in (pair.target_runner, pair.drafter_runner):
+        forget = getattr(runner, "forget", None)  # the llama.cpp runner: leave no timing context for a prompt to meet
+        if forget is not None:
+            forget()
+    step = min(steps)
+    return {"step_s": step, "c": min(draft_steps) / step, "v": {str(n - 1): min(t) / step for n, t in verify.items()}}
+
+
+def machine_key(pair) -> str:
+    from .suggest import machine
+
+    return f"{machine(pair.target)}|threads={torch.get_num_threads()}|{pair.target_name}|{pair.drafter_name}"
+
+
+def costs_for(pair, cache_dir: Path | None, log=print) -> dict | None:
+    """This pair's c and v(k) on this machine: measured once (and again at each load while the machine is busy, as
+    cpu_kernels does), then read from the cache. None for a pair without a drafter."""
+    if pair.drafter is None:
+        return None
+    cache = cache_dir / CACHE_FILE if cache_dir is not None else None
+    known = read_choices(cache)
+    key = machine_key(pair)
+    costs = known.get(key)
+    if costs is None or not _valid(costs):
+        t0 = time.perf_counter()
+        costs = measure(pair)
+        took = time.perf_counter() - t0
+        if busy():
+            log(f"{pair.drafter_name}: the machine is busy, so c and v(k) are not cached (measured again next load)")
+        else:
+            known[key] = costs
+            write_choices(cache, known)
+        log(f"{pair.drafter_name}: c and v(k) measured in {took:.2f} s: {describe(costs)}")
+    else:
+        log(f"{pair.drafter_name}: c and v(k) measured here before: {describe(costs)}")
+    costs = dict(costs)
+    if not pair.same_tokenizer and speedup_bound(costs["c"], _v(costs))[1] >= 1:
+        # only where a full acceptance could pay is tli's own cap worth its vocabulary alignment (a second or two)
+        costs["tli_ceiling"] = ceiling_of(pair.target_tokenizer, set(pair.intersection()[1].tolist()))
+    return costs
+
+
+def _v(costs: dict) -> dict[int, float]:
+    return {int(k): v for k, v in costs["v"].items()}
+
+
+def _valid(costs) -> bool:
+    try:
+        return costs["step_s"] > 0 and costs["c"] >= 0 and all(float(v) > 0 for v in costs["v"].values())
+    except (KeyError, TypeError, ValueError, AttributeError):
+        return False
+
+
+def describe(costs: dict) -> str:
+    vs = ", ".join(f"v({k}) {v:.2f}" for k, v in sorted(_v(costs).items()))
+    k, bound = speedup_bound(costs["c"], _v(costs))
+    verdict = "speculation can pay" if bound >= 1 else "no draft length can pay: auto decodes plainly"
+    return (
+        f"target step {costs['step_s'] * 1e3:.1f} ms, c {costs['c']:.2f}, {vs}; at most {bound:.2f}x with every "
+        f"draft accepted (k = {k}): {verdict}"
+    )
