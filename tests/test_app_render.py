@@ -390,7 +390,7 @@ def test_space_pair_tab_lists_only_the_served_models(catalog, monkeypatch):
 
 def test_the_pair_preview_says_which_model_a_load_will_convert_first(catalog, monkeypatch, tmp_path):
     import app.pairs
-    from usd import llamacpp
+    from usd.runners import llamacpp
 
     monkeypatch.setattr(llamacpp, "available", lambda: True)
     # both fetched, neither converted: a GGUF model on llama.cpp is ready, one on transformers converts at its load

