@@ -126,7 +126,7 @@ def stream(
     extra: dict = {}
     if model.usd:
         extra["speculative"] = {"algorithm": s.algorithm, "draft_tokens": s.draft_tokens, "pieces": True}
-    elif s.algorithm != "auto" or s.draft_tokens != "auto":
+    elif not s.algorithm.chooses or s.draft_tokens != "auto":
         raise ValueError(
             "this backend decides how it speculates: algorithm and draft tokens (and Compare, which "
             "runs algorithm none) apply to a `usd serve` backend only; use auto"

@@ -10,6 +10,7 @@ import itertools
 import time
 from dataclasses import dataclass, field
 
+from usd.algorithms import PLAIN, Algorithm
 from usd.events import KINDS, Finished, Piece, Round, Stats
 
 KIND_LABELS = {
@@ -121,7 +122,7 @@ class Live:
         self.pieces.extend(event.pieces)
         self.k = event.k
         self.expected_speedup = event.expected_speedup
-        if self.algorithm == "auto":
+        if Algorithm(self.algorithm).chooses:
             self.choice = auto_choice(event)
         emitted = len([p for p in event.emitted if p.target_id is not None])
         self.chart.append({"round": event.index, "series": CHART_ACCEPTED, "tokens": event.accepted})
@@ -175,8 +176,7 @@ class Live:
             "choice": self.choice,
             "unreported": s.unreported,
         }
-        plain_rounds = s.rounds_by_algorithm.get("none", 0)
-        if self.algorithm == "none":
+        if Algorithm(self.algorithm).plain:
             # plain decoding against plain decoding is no speedup: only an earlier speculative answer compares
             if self.earlier_speculative and s.tokens_per_s:
                 algorithm, rate = self.earlier_speculative
@@ -185,16 +185,16 @@ class Live:
         elif self.baseline_tokens_per_s and s.tokens_per_s:
             out["measured_speedup"] = s.tokens_per_s / self.baseline_tokens_per_s
             out["speedup_basis"] = "against plain decoding measured earlier on this pair"
-        elif s.step_s and s.rounds > plain_rounds and s.tokens_per_s:
+        elif s.plain_step_speedup is not None:
             # No plain run to compare with yet: the plain steps inside this answer give plain decoding's rate.
-            out["measured_speedup"] = s.tokens_per_s * s.step_s
+            out["measured_speedup"] = s.plain_step_speedup
             out["speedup_basis"] = "estimated from this answer's plain steps"
         return out
 
 
 def auto_choice(event: Round) -> str:
     """What auto ran this round and the cost model's reason, in words."""
-    if event.algorithm != "none":
+    if event.algorithm != PLAIN:  # (a third-party server may name none)
         expected = f", expected {event.expected_speedup:.2f}x" if event.expected_speedup else ""
         return f"{event.algorithm} k={event.k}{expected}"
     if event.bound is not None:
@@ -219,7 +219,7 @@ def _fmt(x, spec: str = ".2f", unit: str = "") -> str:
 def warning_text(n: dict, algorithm: str) -> str | None:
     """A plain-words warning when speculation is costing time on this pair and this hardware."""
     speedup = n.get("measured_speedup")
-    if algorithm == "none" or speedup is None or speedup >= SLOWER or n.get("acceptance_rate") is None:
+    if Algorithm(algorithm).plain or speedup is None or speedup >= SLOWER or n.get("acceptance_rate") is None:
         return None  # (an answer that drafted nothing was not slowed by speculation)
     why = ""
     if n.get("c") is not None:
@@ -229,7 +229,7 @@ def warning_text(n: dict, algorithm: str) -> str | None:
         )
     advice = (
         "auto falls back to plain decoding when it measures this; "
-        if algorithm != "auto"
+        if not Algorithm(algorithm).chooses
         else "auto is still measuring and will fall back to plain decoding; "
     )
     return (
@@ -266,7 +266,7 @@ def unreported_text(n: dict) -> str | None:
 
 
 def stats_html(n: dict, algorithm: str) -> str:
-    rows = _plain_rows(n) if algorithm == "none" else _speculative_rows(n)
+    rows = _plain_rows(n) if Algorithm(algorithm).plain else _speculative_rows(n)
     missing = {STAT_LABELS.get(k) for k in n.get("unreported") or ()}
     rows = [(label, "not reported" if label in missing else value) for label, value in rows]
     body = "".join(f'<tr><th>{k}</th><td data-stat="{k}">{v}</td></tr>' for k, v in rows)

@@ -19,6 +19,7 @@ import gradio as gr
 import pandas as pd
 
 from usd import api
+from usd.algorithms import PLAIN
 from usd.chat import check_prompt
 from usd.loading import LoadError
 from usd.serve.slots import Slots
@@ -312,7 +313,7 @@ class Handlers:
                 raise InputError(str(e)) from None
         done = live.finished
         if done is not None and done.stats.tokens >= 8:
-            if s.algorithm == "none":
+            if s.algorithm.plain:
                 self.pairs.baselines[key] = done.stats.tokens_per_s
             elif done.stats.drafted:
                 self.speculative[key] = (s.algorithm, done.stats.tokens_per_s)
@@ -360,7 +361,7 @@ class Handlers:
         if not s.greedy and s.seed is None:
             s = s.replace(seed=random.randrange(1 << 31))  # both columns must share it
         plain = spec = None
-        for plain in self.run(s.replace(algorithm="none", draft_tokens="auto"), prompt, chat_mode=True):
+        for plain in self.run(s.replace(algorithm=PLAIN, draft_tokens="auto"), prompt, chat_mode=True):
             yield plain, None, None
         for spec in self.run(s, prompt, chat_mode=True):
             yield plain, spec, None

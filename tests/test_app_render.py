@@ -39,11 +39,12 @@ def with_stats(rounds):
     """The rounds as the engine yields them: each carries the running stats, counted by the engine's own Tally."""
     import dataclasses
 
+    from usd.record import RoundRecord
     from usd.tally import Tally
 
     tally, tokens, out = Tally("tli"), 0, []
     for r in rounds:
-        tally.record(r.algorithm, r.drafted, r.accepted, r.drafted, r.draft_s, r.verify_s)
+        tally.record(RoundRecord(r.algorithm, r.k, r.drafted, r.accepted, r.drafted, r.draft_s, r.verify_s))
         tokens += len(r.emitted)
         out.append(dataclasses.replace(r, draft_steps=r.drafted, stats=tally.stats(tokens, None, 0.0, None)))
     return out

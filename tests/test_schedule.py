@@ -11,6 +11,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from usd.record import RoundRecord
 from usd.schedule import K_MAX, K_START, MIN_TRIES, PROBE_BUDGET, PROBE_EVERY, CostModel, Schedule, speedup_bound, tau
 
 
@@ -36,7 +37,7 @@ class World:
         mode, k = schedule.next()
         setup_s, self.last = (self.setup if mode != "none" and self.last == "none" else 0.0), mode
         if mode == "none":
-            schedule.observe(mode, 0, 0, 0, 1, self.verify(1), verify_s=self.verify(1))
+            schedule.observe(RoundRecord(mode, 0, 0, 0, verify_s=self.verify(1)))
             self.spent += self.verify(1)
             return mode, k
         accepted = 0
@@ -44,16 +45,7 @@ class World:
             accepted += 1
         draft_s, verify_s = k * self.draft[mode], self.verify(k + 1)
         schedule.observe(
-            mode,
-            k,
-            k,
-            accepted,
-            accepted + 1,
-            draft_s + verify_s,
-            draft_s=draft_s,
-            draft_steps=k,
-            verify_s=verify_s,
-            setup_s=setup_s,
+            RoundRecord(mode, k, k, accepted, draft_steps=k, draft_s=draft_s, verify_s=verify_s, setup_s=setup_s)
         )
         self.spent += setup_s + draft_s + verify_s
         return mode, k
@@ -82,9 +74,9 @@ def test_the_cost_model_picks_the_k_the_formula_says():
     model = CostModel({})
     world = World(alpha={"tli": 0.7}, draft={"tli": 0.08}, verify=lambda n: 1.0 + 0.12 * (n - 1) ** 1.3)
     for n in range(1, K_MAX + 2):  # every length measured once, exactly
-        model.observe("none" if n == 1 else "tli", n - 1, 0, 0.0, 0, world.verify(n), 0.0)
+        model.observe(RoundRecord("none" if n == 1 else "tli", n - 1, n - 1, 0, verify_s=world.verify(n)))
     for _ in range(200):  # acceptance: 70% of tested positions
-        model.observe("tli", 0, 0, 0.0, 0, world.verify(1), 0.0)
+        model.observe(RoundRecord("tli", 0, 0, 0, verify_s=world.verify(1)))
     model.modes["tli"]["hits"] = [0.7, 1.0]
     model.modes["tli"]["draft"] = [0.08, 1.0]
     model.modes["tli"]["other"] = [0.0, 1.0]

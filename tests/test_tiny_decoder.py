@@ -188,10 +188,12 @@ def test_round_0_is_neither_a_step_nor_a_verify_of_its_k_in_the_stats():
     from usd.tally import Tally
 
     tally = Tally("tli")
-    tally.record("none", 0, 0, 0, 0.0, 0.001, fed=0)
-    tally.record("tli", 3, 1, 3, 0.3, 0.12, fed=3)
-    tally.record("none", 0, 0, 0, 0.0, 0.1, fed=1)
-    tally.record("tli", 3, 3, 3, 0.3, 0.2, fed=4)
+    from usd.record import RoundRecord
+
+    tally.record(RoundRecord("none", 0, 0, 0, verify_s=0.001, fed=0))
+    tally.record(RoundRecord("tli", 3, 3, 1, draft_steps=3, draft_s=0.3, verify_s=0.12, fed=3))
+    tally.record(RoundRecord("none", 0, 0, 0, verify_s=0.1, fed=1))
+    tally.record(RoundRecord("tli", 3, 3, 3, draft_steps=3, draft_s=0.3, verify_s=0.2, fed=4))
     stats = tally.stats(8, None, 0.0, None)
     assert stats.step_s == pytest.approx(0.1)
     assert (stats.c, stats.v, stats.mean_k) == (pytest.approx(1.0), pytest.approx(2.0), 3.0)

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 from . import chat
+from .algorithms import Algorithm
 from .catalog import CatalogError, load_catalog
 from .loading import LoadError, check_local_dir, choose_precision, default_device, entry_for, plan_load
 from .settings import (
@@ -210,28 +211,28 @@ def _settings(args) -> GenerationSettings:
     return settings
 
 
-def _check_models(args, algorithm: str, catalog) -> None:
+def _check_models(args, algorithm: Algorithm, catalog) -> None:
     """Fail before loading on what is known without the weights: a spec that names no model, a local directory
     that lacks files, and 'standard' on tokenizers that differ. The drafter loads second, so its mistakes would
     otherwise show only after the target's whole load."""
     specs = [args.target or catalog.default.target]
-    if algorithm != "none":
+    if not algorithm.plain:
         specs.append(args.drafter or catalog.default.drafter)
     entries = [entry_for(spec, catalog) for spec in specs]
     for entry in entries:
         check_local_dir(entry)
-    if algorithm == "standard":
-        _check_same_tokenizers(entries)
+    if algorithm.spec.one_tokenizer:
+        _check_same_tokenizers(entries, algorithm)
 
 
-def _check_same_tokenizers(entries) -> None:
+def _check_same_tokenizers(entries, algorithm: Algorithm) -> None:
     from .decoder import resolve_algorithm
     from .loading import load_tokenizer
     from .pair import Pair
 
     target, drafter = (load_tokenizer(e, pull(e, log=_log)) for e in entries)
     # the decoder's own check on the tokenizers alone; it only asks whether a drafter is there, so stand-ins do
-    resolve_algorithm(Pair(object(), target, object(), drafter), "standard")
+    resolve_algorithm(Pair(object(), target, object(), drafter), algorithm)
 
 
 def _log(message: str) -> None:
@@ -253,7 +254,7 @@ def cmd_generate(args) -> int:
     _check_models(args, settings.algorithm, catalog)
     pair = api.load_pair(
         args.target,
-        args.drafter if settings.algorithm != "none" else False,
+        args.drafter if not settings.algorithm.plain else False,
         catalog=catalog,
         device=args.device,
         precision=args.precision,

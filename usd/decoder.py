@@ -17,9 +17,11 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from .algorithms import PLAIN, Acceptance, Algorithm, Proposal, runnable
 from .drafters import Draft, draft_strings, draft_tokens, sync_drafter
 from .events import Finished, Piece, Round, Stats
 from .pair import Pair, bytes_of, model_context_length
+from .record import RoundRecord
 from .sampling import DRAFTER_STREAM, SamplingParams, make_generator, position_generator, probabilities
 from .schedule import Schedule
 from .settings import check_algorithm, check_draft_tokens, check_max_new_tokens
@@ -28,16 +30,16 @@ from .utf8 import piece_decoder
 from .verify import exact_match, greedy_match, rejection_sampling
 
 
-def resolve_algorithm(pair: Pair, algorithm: str) -> str:
-    """Check that the algorithm can run on this pair; `auto` stays `auto` (the schedule picks per round)."""
-    check_algorithm(algorithm)
-    if algorithm == "auto" and pair.drafter is None:
-        return "none"
-    if algorithm != "none" and pair.drafter is None:
-        raise ValueError(f"algorithm {algorithm!r} needs a drafter; load one or use 'none'")
-    if algorithm == "standard" and not pair.same_tokenizer:
-        raise ValueError("'standard' needs identical tokenizers; this pair differs, use tli, slem or auto")
-    return algorithm
+def resolve_algorithm(pair: Pair, algorithm: str) -> Algorithm:
+    """Check that the algorithm can run on this pair; `auto` stays `auto` (the schedule picks per round), or plain
+    decoding without a drafter."""
+    chosen = check_algorithm(algorithm)
+    if chosen.chooses and pair.drafter is None:
+        return PLAIN
+    problem = runnable(chosen, pair.drafter is not None, pair.same_tokenizer)
+    if problem:
+        raise ValueError(problem)
+    return chosen
 
 
 # --- one round -------------------------------------------------------------------------------------------------------
@@ -68,22 +70,23 @@ class Verdict:
 def propose(
     pair: Pair,
     drafter,
-    mode: str,
+    mode: Algorithm,
     k: int,
     params: SamplingParams,
     rng: Randomness,
     eos: set[int],
     min_confidence: float,
 ) -> Draft:
-    if mode == "none":
+    proposes = mode.spec.proposes
+    if proposes is Proposal.NOTHING:
         return Draft()
-    if mode == "slem":
+    if proposes is Proposal.STRINGS:
         return draft_strings(pair, drafter, k, eos, min_confidence)
     return draft_tokens(pair, drafter, k, params, rng.drafter, eos, min_confidence)
 
 
 def accept(
-    logits: torch.Tensor, draft: Draft, mode: str, params: SamplingParams, rng: Randomness, position: int
+    logits: torch.Tensor, draft: Draft, mode: Algorithm, params: SamplingParams, rng: Randomness, position: int
 ) -> Verdict:
     """The algorithm's acceptance rule on the target's logits at each candidate and one past the last."""
     candidates = draft.candidates
@@ -91,7 +94,7 @@ def accept(
         accepted, token, kind = greedy_match(logits.argmax(-1).tolist(), candidates)
     else:
         p = probabilities(logits, params)
-        if mode == "slem" or not candidates:
+        if mode.spec.accepts is Acceptance.EXACT_MATCH or not candidates:
             accepted, token, kind = exact_match(p, candidates, rng.at_positions(position, len(candidates) + 1))
         else:
             accepted, token, kind = rejection_sampling(p, torch.stack(draft.q), candidates, rng.drafter)
@@ -108,7 +111,7 @@ def speculative_round(
     pair: Pair,
     target,
     drafter,
-    mode: str,
+    mode: Algorithm,
     k: int,
     params: SamplingParams,
     rng: Randomness,
@@ -119,7 +122,7 @@ def speculative_round(
 ) -> tuple[Draft, Verdict, RoundTimes]:
     """One round, as in the paper: the drafter proposes up to k candidates, the target scores all of them in one
     forward, the acceptance rule keeps a prefix and adds one token of the target's own; the target's cache is cut
-    back to what stands. (mode "none": no candidates, so this is one plain target step.)"""
+    back to what stands. (Plain decoding: no candidates, so this is one plain target step.)"""
     t0 = time.perf_counter()
     draft = propose(pair, drafter, mode, k, params, rng, eos, min_confidence).fitted(target_room)
     t1 = time.perf_counter()
@@ -269,7 +272,7 @@ class Generation:
         pair: Pair,
         prompt_ids,
         drafter_prompt_ids,
-        algorithm: str,
+        algorithm: Algorithm,
         k,
         params: SamplingParams,
         max_new_tokens: int,
@@ -287,7 +290,7 @@ class Generation:
         self.target = pair.target_runner.new_context(prompt_ids)
         self.prompt_len = len(prompt_ids)
         self.drafter = None
-        if algorithm != "none":
+        if not algorithm.plain:
             self.drafter = DrafterState(pair, drafter_prompt_ids if drafter_prompt_ids is not None else prompt_ids)
         self.answer = Answer(pair, max_new_tokens, stop_strings)
         _prefill(self.target)
@@ -305,21 +308,21 @@ class Generation:
         stopped = drafter.stopped if drafter is not None else None
         return self.tally.stats(len(self.answer.ids), self.answer.stop_reason, forward_s, stopped)
 
-    def plan(self) -> tuple[str, int, int]:
+    def plan(self) -> tuple[Algorithm, int, int]:
         """(mode, k, the target's room) for the next round: the schedule's choice, fitted to both contexts."""
         mode, k = self.schedule.next()
         target_room = _room(self.pair.context_length, len(self.target.ids))  # the verify positions must fit too
-        if mode != "none":
-            assert self.drafter is not None  # the schedule drafts only when the algorithm is not "none"
+        if not mode.plain:
+            assert self.drafter is not None  # the schedule drafts only when the algorithm is not plain decoding
             k = min(k, target_room, self.drafter.room(self.answer))
             if k < 1:
-                mode, k = "none", 0
+                mode, k = PLAIN, 0
         return mode, k, target_room
 
     def step(self) -> Round:
         """Run one round, commit what it emitted, and learn from it."""
         mode, k, target_room = self.plan()
-        expected = self.schedule.expected_speedup if mode != "none" else None
+        expected = self.schedule.expected_speedup if not mode.plain else None
         t0 = time.perf_counter()
         drafter_ctx = self.drafter.ctx if self.drafter is not None else None
         draft, verdict, times = speculative_round(
@@ -338,43 +341,36 @@ class Generation:
         pieces = self.answer.commit(draft, verdict, self.tally.rounds)
         if self.drafter is not None and self.drafter.ready and self.answer.stop_reason is None:
             self.drafter.follow(self.answer)
-        round_s = time.perf_counter() - t0
+        record = self._record(mode, k, draft, verdict, times, time.perf_counter() - t0)
+        self.tally.record(record)
+        self.schedule.observe(record)
+        return Round.of(
+            record,
+            index=self.tally.rounds - 1,
+            pieces=tuple(pieces),
+            stats=self.stats(),
+            expected_speedup=expected,
+            declined=self.schedule.declined if mode.plain else None,
+            bound=self.schedule.bound if mode.plain else None,
+        )
+
+    def _record(self, mode, k, draft: Draft, verdict: Verdict, times: RoundTimes, round_s: float) -> RoundRecord:
         setup_s = 0.0
         if self.drafter is not None:
             setup_s, self.drafter.unbilled_s = self.drafter.unbilled_s, 0.0
-        drafted, accepted = len(draft.candidates), verdict.accepted
-        # the target's forward fed the drafts and the token the last round added; round 0 has none (the prompt's
-        # last position came with the prompt)
-        fed = drafted + (self.tally.rounds > 0)
-        self.tally.record(mode, drafted, accepted, draft.steps, times.draft_s, times.verify_s, fed)
-        self.schedule.observe(
-            mode,
-            k,
-            drafted,
-            accepted,
-            accepted + 1,
-            round_s,
-            draft_s=times.draft_s,
-            draft_steps=draft.steps,
-            verify_s=times.verify_s,
-            setup_s=setup_s,
-            fed=fed,
-        )
-        return Round(
-            index=self.tally.rounds - 1,
-            k=k,
-            pieces=tuple(pieces),
-            drafted=drafted,
-            accepted=accepted,
-            draft_s=times.draft_s,
-            verify_s=times.verify_s,
-            other_s=round_s - times.draft_s - times.verify_s,
+        return RoundRecord(
             algorithm=mode,
+            k=k,
+            drafted=len(draft.candidates),
+            accepted=verdict.accepted,
             draft_steps=draft.steps,
-            stats=self.stats(),
-            expected_speedup=expected,
-            declined=self.schedule.declined if mode == "none" else None,
-            bound=self.schedule.bound if mode == "none" else None,
+            draft_s=times.draft_s,
+            verify_s=times.verify_s,
+            round_s=round_s,
+            # the target's forward fed the drafts and the token the last round added; round 0 has none (the
+            # prompt's last position came with the prompt)
+            fed=len(draft.candidates) + (self.tally.rounds > 0),
+            setup_s=setup_s,
         )
 
 
@@ -401,9 +397,9 @@ def stream(
     """
     params = params or SamplingParams()
     algo = resolve_algorithm(pair, algorithm)
-    k = 0 if algo == "none" else check_draft_tokens(k, allow_zero=True)
+    k = 0 if algo.plain else check_draft_tokens(k, allow_zero=True)
     if k == 0:
-        algo = "none"
+        algo = PLAIN
     if not prompt_ids:
         raise ValueError("the prompt is empty")
     check_max_new_tokens(max_new_tokens)

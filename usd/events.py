@@ -3,6 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from .algorithms import PLAIN
+
+if TYPE_CHECKING:
+    from .record import RoundRecord
 
 KINDS = ("accepted", "rejected", "resampled", "bonus", "target")
 
@@ -60,6 +66,21 @@ class Round:
     def emitted(self) -> tuple[Piece, ...]:
         return tuple(p for p in self.pieces if p.kind != "rejected")
 
+    @classmethod
+    def of(cls, record: RoundRecord, **rest) -> Round:
+        """The event of a round from its record (`rest`: what the record does not hold, its pieces and stats)."""
+        return cls(
+            k=record.k,
+            drafted=record.drafted,
+            accepted=record.accepted,
+            draft_s=record.draft_s,
+            verify_s=record.verify_s,
+            other_s=record.seconds - record.draft_s - record.verify_s,
+            algorithm=record.algorithm.value,
+            draft_steps=record.draft_steps,
+            **rest,
+        )
+
 
 @dataclass(frozen=True)
 class Stats:
@@ -100,6 +121,16 @@ class Stats:
         return self.tokens / self.rounds if self.rounds else 0.0
 
     tau = tokens_per_round
+
+    @property
+    def plain_step_speedup(self) -> float | None:
+        """This answer's tokens/s over plain decoding's, as the plain steps inside it measured that (one token per
+        `step_s`): the speedup estimate where no plain run compares. None without a plain step, or without a
+        speculative round."""
+        plain = self.rounds_by_algorithm.get(PLAIN.value, 0)
+        if self.step_s and self.rounds > plain and self.tokens_per_s:
+            return self.tokens_per_s * self.step_s
+        return None
 
     @property
     def tokens_per_s(self) -> float:

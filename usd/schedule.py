@@ -26,7 +26,9 @@ lossless: every round emits tokens distributed as the target's, whatever it was 
 
 from __future__ import annotations
 
+from .algorithms import PLAIN, Algorithm, auto_modes
 from .events import Bound
+from .record import RoundRecord
 
 K_START = 4
 """The draft length a mode is first tried at, before anything is known about it."""
@@ -146,36 +148,23 @@ class CostModel:
         """The target's single step: the median of the recent ones."""
         return median(self.steps)
 
-    def observe(
-        self,
-        mode: str,
-        drafted: int,
-        accepted: int,
-        draft_s: float,
-        draft_steps: int,
-        verify_s: float,
-        other_s: float,
-        fed: int | None = None,
-    ) -> None:
-        """`fed`: the positions the verify forward fed (drafted + 1 but in round 0, which feeds only the drafts: the
-        prompt's last position was fed with the prompt); a forward that fed none tells nothing of V."""
-        fed = drafted + 1 if fed is None else fed
+    def observe(self, r: RoundRecord) -> None:
+        """A forward that fed no position (round 0's plain one) tells nothing of V."""
         step = self.step()  # the plain steps measured before this round: its reference
+        fed = r.positions_fed
         if fed == 1:
-            _keep_last(self.steps, verify_s)
+            _keep_last(self.steps, r.verify_s)
         elif fed:
-            _keep_last(self.verify.setdefault(str(fed), []), [verify_s, verify_s / step if step else None])
-        m = self._mode(mode)
+            _keep_last(self.verify.setdefault(str(fed), []), [r.verify_s, r.verify_s / step if step else None])
+        m = self._mode(r.algorithm)
         m["rounds"] += 1
-        Mean.add(m["other"], max(0.0, other_s))
-        if draft_steps:
-            for _ in range(draft_steps):
-                Mean.add(m["draft"], draft_s / draft_steps)
-                if step:
-                    Mean.add(m["c"], draft_s / draft_steps / step)
-        if drafted:
-            for i in range(tested_positions(accepted, drafted)):  # acceptance as the verifier saw it
-                Mean.add(m["hits"], 1.0 if i < accepted else 0.0, ALPHA_DECAY)
+        Mean.add(m["other"], r.other_s)
+        for _ in range(r.draft_steps):
+            Mean.add(m["draft"], r.draft_s / r.draft_steps)
+            if step:
+                Mean.add(m["c"], r.draft_s / r.draft_steps / step)
+        for i in range(tested_positions(r.accepted, r.drafted)):  # acceptance as the verifier saw it
+            Mean.add(m["hits"], 1.0 if i < r.accepted else 0.0, ALPHA_DECAY)
 
     def rounds(self, mode: str) -> int:
         return self.modes.get(mode, {}).get("rounds", 0)
@@ -210,9 +199,9 @@ class CostModel:
         return k * self.draft_step(mode) + verify + (Mean.of(m["other"]) or 0.0)
 
     def rate(self, mode: str, k: int) -> float | None:
-        """Expected emitted tokens per second of (mode, k); mode "none" is plain decoding (k = 0)."""
-        if mode == "none":
-            cost = self.round_cost("none", 0)
+        """Expected emitted tokens per second of (mode, k); plain decoding's k is 0."""
+        if Algorithm(mode).plain:
+            cost = self.round_cost(mode, 0)
             return 1.0 / cost if cost else None
         alpha, cost = self.alpha(mode), self.round_cost(mode, k)
         return tau(alpha, k) / cost if alpha is not None and cost else None
@@ -226,22 +215,17 @@ class CostModel:
         return k, rate
 
     def expected_speedup(self, mode: str, k: int) -> float | None:
-        plain, rate = self.rate("none", 0), self.rate(mode, k)
+        plain, rate = self.rate(PLAIN, 0), self.rate(mode, k)
         return rate / plain if plain and rate else None
 
 
 class Schedule:
     def __init__(self, pair, algorithm: str, k: int | str, probe_first: bool = True, seeded_sampling: bool = False):
-        self.algorithm = algorithm
-        if algorithm != "auto":
-            self.modes = [algorithm]
-        elif seeded_sampling:
-            self.modes = ["none", "slem"]  # the seed fixes their answer, however rounds are cut (see decoder)
-        else:
-            self.modes = ["none", "standard"] if pair.same_tokenizer else ["none", "tli", "slem"]
+        self.algorithm = algorithm = Algorithm(algorithm)
+        self.modes = auto_modes(pair.same_tokenizer, seeded_sampling) if algorithm.chooses else [algorithm]
         self.adaptive_k = k == "auto"
         self.k_fixed = None if self.adaptive_k else int(k)
-        if self.adaptive_k and seeded_sampling and algorithm in ("tli", "standard"):
+        if self.adaptive_k and seeded_sampling and not algorithm.spec.seed_stable and not algorithm.chooses:
             # Rejection sampling's draws depend on where rounds are cut, and the model's k on wall-clock times: a
             # seed must still fix the sample, so these draft a fixed length (the confidence stop stays: it depends
             # on the drafter's logits only).
@@ -265,12 +249,12 @@ class Schedule:
         would have taken for their tokens, how many]."""
         self.dropped: set[str] = set()
         """Modes that realised less than plain decoding in this answer: never the best again in it, only probed."""
-        self.bound = self._bound(pair) if algorithm == "auto" else None
+        self.bound = self._bound(pair) if algorithm.chooses else None
         """auto only: when no draft length can pay on this machine (`speedup_bound` below 1 for every mode, from the c
         and v(k) measured at load, usd/costs.py), the best of those bounds; auto then decodes plainly from the first
         round and never probes."""
         if self.bound is not None:
-            self.modes = ["none"]
+            self.modes = [PLAIN]
         self.expected_speedup: float | None = None
         """What the model expects of the round just chosen, against plain decoding (None until it can tell)."""
         self.declined: tuple[str, int, float] | None = None
@@ -289,85 +273,70 @@ class Schedule:
         if speedup < 1:
             return Bound(k, speedup, c, interpolate({1 + kk: vk for kk, vk in v.items()} | {1: 1.0}, k + 1))
         ceiling = costs.get("tli_ceiling")
-        if "tli" in self.modes and ceiling is not None and speedup_bound(c, v, ceiling)[1] < 1:
-            self.modes.remove("tli")
+        if Algorithm.TLI in self.modes and ceiling is not None and speedup_bound(c, v, ceiling)[1] < 1:
+            self.modes.remove(Algorithm.TLI)
         return None
 
-    def k_for(self, mode: str) -> int:
-        if mode == "none":
+    def k_for(self, mode: Algorithm) -> int:
+        if mode.plain:
             return 0
         if self.k_fixed is not None:
             return self.k_fixed
         return self.model.best_k(mode)[0] if self.model.rounds(mode) >= MIN_TRIES else K_START
 
-    def per_token(self, mode: str) -> float:
+    def per_token(self, mode: Algorithm) -> float:
         """Expected seconds per emitted token of a mode at its best k (inf while it is unknown)."""
         rate = self.model.rate(mode, self.k_for(mode))
         return 1.0 / rate if rate else float("inf")
 
-    def next(self) -> tuple[str, int]:
-        """(algorithm, k) for the coming round; ("none", 0) is a plain target step."""
+    def next(self) -> tuple[Algorithm, int]:
+        """(algorithm, k) for the coming round; (PLAIN, 0) is a plain target step."""
         if self.probe_first and not self.probed:
-            mode = "none"
+            mode = PLAIN
         else:
             mode = self.modes[0] if len(self.modes) == 1 else self._choose()
         k = self.k_for(mode)
-        self.expected_speedup = 1.0 if mode == "none" else self.model.expected_speedup(mode, k)
-        self.declined = self._best_speculation() if mode == "none" and len(self.modes) > 1 else None
+        self.expected_speedup = 1.0 if mode.plain else self.model.expected_speedup(mode, k)
+        self.declined = self._best_speculation() if mode.plain and len(self.modes) > 1 else None
         return mode, k
 
     def _best_speculation(self) -> tuple[str, int, float] | None:
-        options = [(m, self.k_for(m)) for m in self.modes if m != "none"]
+        options = [(m, self.k_for(m)) for m in self.modes if not m.plain]
         rated = [(m, k, self.model.expected_speedup(m, k)) for m, k in options]
         known = [(m, k, x) for m, k, x in rated if x is not None]
         return max(known, key=lambda option: option[2]) if known else None
 
-    def _choose(self) -> str:
+    def _choose(self) -> Algorithm:
         untried = [m for m in self.modes if self.model.rounds(m) < MIN_TRIES]
         if untried:
             # in turn with plain steps, so that every trial is judged against plain steps measured next to it
-            rotation = list(dict.fromkeys([*untried, *(m for m in self.modes if m == "none")]))
+            rotation = list(dict.fromkeys([*untried, *(m for m in self.modes if m.plain)]))
             return max(rotation, key=lambda m: self.since[m])
         best = self._best()
         overdue = [m for m in self.modes if m != best and self.since[m] >= self.gap.get(m, PROBE_EVERY)]
         return max(overdue, key=lambda m: self.since[m]) if overdue else best
 
-    def _best(self, modes: list[str] | None = None) -> str:
+    def _best(self, modes: list[Algorithm] | None = None) -> Algorithm:
         """The mode of the least expected time per token, leaving out those this answer dropped."""
         kept = [m for m in modes or self.modes if m not in self.dropped]
         return min(kept, key=self.per_token)
 
-    def observe(
-        self,
-        mode: str,
-        k: int,
-        drafted: int,
-        accepted: int,
-        emitted: int,
-        seconds: float,
-        *,
-        draft_s: float = 0.0,
-        draft_steps: int = 0,
-        verify_s: float | None = None,
-        setup_s: float = 0.0,
-        fed: int | None = None,
-    ) -> None:
-        """What the round cost and kept. Without the split of its time, all of it counts as the target forward.
-        `setup_s`: what the round's mode cost before it (a drafter's prefill): not a cost of its rounds, so kept out of
-        the rates, but part of what probing it cost."""
+    def observe(self, r: RoundRecord) -> None:
+        """What the round cost and kept. Its setup (a drafter's prefill) is kept out of the rates, but counts in what
+        probing its algorithm cost."""
+        mode = r.algorithm
         self.round += 1
-        self.probed = self.probed or (mode == "none" and fed != 0)
+        self.probed = self.probed or (mode.plain and r.positions_fed != 0)
         for m in self.modes:
             self.since[m] = 0 if m == mode else self.since[m] + 1
-        verify_s = seconds - draft_s if verify_s is None else verify_s
-        plain = self.per_token("none")  # before this round's times count: what plain decoding costs near it
-        self.model.observe(mode, drafted, accepted, draft_s, draft_steps, verify_s, seconds - draft_s - verify_s, fed)
-        if mode != "none" and len(self.modes) > 1:
-            self._check_realised(mode, seconds, emitted, plain)
-        if setup_s:
-            self.setup_s[mode] = self.setup_s.get(mode, 0.0) + setup_s  # paid off at its next wait, once it is judged
+        plain = self.per_token(PLAIN)  # before this round's times count: what plain decoding costs near it
+        self.model.observe(r)
+        if not mode.plain and len(self.modes) > 1:
+            self._check_realised(mode, r.seconds, r.emitted, plain)
+        if r.setup_s:
+            self.setup_s[mode] = self.setup_s.get(mode, 0.0) + r.setup_s  # paid off at its next wait, once judged
         # a fixed algorithm's rounds tell auto too (the memory is the pair's) when that mode is next worth probing
-        rivals = ["none", *(m for m in self.modes if m != "none")]
+        rivals = [PLAIN, *(m for m in self.modes if not m.plain)]
         if len(rivals) > 1 and self.model.rounds(mode) >= MIN_TRIES:
             best = self._best(rivals)
             if mode == best:
@@ -376,7 +345,8 @@ class Schedule:
             else:
                 wait = self.gap.get(mode, PROBE_EVERY // 2)
                 longer = 2 * wait if wait < PROBE_MAX else wait  # never shorter while it keeps losing
-                self.gap[mode] = max(longer, self._rounds_to_amortise(seconds + self.setup_s.pop(mode, 0.0), emitted))
+                spent = r.seconds + self.setup_s.pop(mode, 0.0)
+                self.gap[mode] = max(longer, self._rounds_to_amortise(spent, r.emitted))
 
     def _check_realised(self, mode: str, seconds: float, emitted: int, plain_per_token: float) -> None:
         """Drop `mode` from this answer once its rounds here took longer than plain decoding would have for the same
@@ -395,7 +365,7 @@ class Schedule:
 
     def _rounds_to_amortise(self, seconds: float, emitted: int) -> int:
         """Plain rounds after which a round that took `seconds` for `emitted` tokens cost PROBE_BUDGET of the time."""
-        plain = self.per_token("none")
+        plain = self.per_token(PLAIN)
         if plain == float("inf"):
             return 0
         excess = seconds - emitted * plain

@@ -17,16 +17,15 @@ from typing import TYPE_CHECKING, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, ValidationError, field_validator, model_validator
 
+from .algorithms import NAMES, Algorithm
 from .catalog import Precision
 from .utf8 import not_text
 
 if TYPE_CHECKING:
     from .sampling import SamplingParams
 
-Algorithm = Literal["auto", "tli", "slem", "standard", "none"]
-ALGORITHMS: tuple[str, ...] = get_args(Algorithm)
-"""auto picks per round; tli and slem work across vocabularies; standard needs one tokenizer; none is the target
-alone through the same loop."""
+ALGORITHMS: tuple[str, ...] = NAMES
+"""The algorithms' names (usd/algorithms.py holds what each one is)."""
 PRECISIONS: tuple[str, ...] = get_args(Precision)
 """The weight precisions a model can load in (the catalog's own list)."""
 DRAFT_TOKENS_MAX = 16
@@ -49,10 +48,10 @@ be able to make that look as long as it likes."""
 # --- the checks, on typed values -------------------------------------------------------------------------------------
 
 
-def check_algorithm(algorithm) -> str:
+def check_algorithm(algorithm) -> Algorithm:
     if algorithm not in ALGORITHMS:
         raise ValueError(f"unknown algorithm {short_repr(algorithm)}; choose one of {', '.join(ALGORITHMS)}")
-    return algorithm
+    return Algorithm(algorithm)
 
 
 def check_draft_tokens(k, allow_zero: bool = False) -> int | str:
@@ -200,7 +199,7 @@ class GenerationSettings(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    algorithm: Algorithm = "auto"
+    algorithm: Algorithm = Algorithm.AUTO
     draft_tokens: int | Literal["auto"] = "auto"
     """Draft length per round, or auto to adapt it."""
     temperature: float = 0.0

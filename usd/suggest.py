@@ -42,6 +42,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from .algorithms import DRAFTING, Algorithm, Proposal
 from .costs import timed_forward
 from .datasets import Prompt
 from .drafters import target_proposal
@@ -51,7 +52,8 @@ from .schedule import K_MAX, tau, tested_positions
 if TYPE_CHECKING:
     from .catalog import Precision
 
-ALGORITHMS = ("tli", "slem", "standard")
+ALGORITHMS: tuple[str, ...] = tuple(a.value for a in DRAFTING)
+"""The algorithms a drafter is measured under (those that draft with a drafter model)."""
 ANSWER_TOKENS = 32
 """Answer tokens per prompt the target writes for the reference."""
 REPEATS = 7
@@ -355,9 +357,10 @@ def replay(target: Model, drafter: Model, ref: Reference, algorithm: str, k: int
     # its own memory: the replay's rounds must not teach the pair's auto anything
     pair = replace(base, target_runner=known, drafter_runner=recording, memory={})
     params = SamplingParams()  # greedy
-    gen = Generation(pair, ref.target_prompt_ids, d_prompt, algorithm, k, params, ref.max_new_tokens, (), True)
+    chosen = Algorithm(algorithm)
+    gen = Generation(pair, ref.target_prompt_ids, d_prompt, chosen, k, params, ref.max_new_tokens, (), True)
     sampled_params = SamplingParams(temperature=SAMPLED_TEMPERATURE)
-    intersection = pair.intersection() if algorithm in ("tli", "standard") else None
+    intersection = pair.intersection() if chosen.spec.proposes is Proposal.TOKENS else None
     out, sampled = Acceptance(), []
     while gen.answer.stop_reason is None:
         position = len(gen.answer.ids)

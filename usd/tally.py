@@ -6,6 +6,7 @@ from __future__ import annotations
 import time
 
 from .events import Stats
+from .record import RoundRecord
 
 
 def _mean(xs: list[float]) -> float | None:
@@ -23,28 +24,16 @@ class Tally:
         self.verify_s: list[float] = []
         self.draft_step_s: list[float] = []
 
-    def record(
-        self,
-        mode: str,
-        drafted: int,
-        accepted: int,
-        draft_steps: int,
-        draft_s: float,
-        verify_s: float,
-        fed: int | None = None,
-    ):
-        """`fed`: the positions the target's forward fed (drafted + 1, but in round 0, which feeds only the drafts:
-        the prompt's last position came with the prompt). Only a forward over drafted + 1 positions is a step or a
-        verify of its k."""
+    def record(self, r: RoundRecord) -> None:
         self.rounds += 1
-        self.drafted += drafted
-        self.accepted += accepted
-        self.drafting_rounds += drafted > 0
-        self.by_algorithm[mode] = self.by_algorithm.get(mode, 0) + 1
-        if fed is None or fed == drafted + 1:
-            (self.verify_s if drafted else self.step_s).append(verify_s)
-        if draft_steps:
-            self.draft_step_s.append(draft_s / draft_steps)
+        self.drafted += r.drafted
+        self.accepted += r.accepted
+        self.drafting_rounds += r.drafted > 0
+        self.by_algorithm[r.algorithm.value] = self.by_algorithm.get(r.algorithm.value, 0) + 1
+        if r.full_forward:
+            (self.verify_s if r.drafted else self.step_s).append(r.verify_s)
+        if r.draft_steps:
+            self.draft_step_s.append(r.draft_s / r.draft_steps)
 
     def stats(self, tokens: int, stop_reason: str | None, forward_s: float, drafting_stopped: str | None) -> Stats:
         step, draft_step, verify = _mean(self.step_s), _mean(self.draft_step_s), _mean(self.verify_s)

@@ -7,11 +7,11 @@ c and v, which shows how much of the gap to theory the loop itself leaves.
 
 from __future__ import annotations
 
-from ..settings import ALGORITHMS
+from ..algorithms import PLAIN, Algorithm
 from ..theory import expected_speedup
-from .report import label, pair_plot_path
+from .report import REFERENCES, label, pair_plot_path
 
-DRAFTING = tuple(a for a in ALGORITHMS if a != "none")
+DRAFTING = tuple(a.value for a in Algorithm if not a.plain)
 
 
 def _k(row: dict) -> float:
@@ -51,7 +51,7 @@ def plot(result: dict, path: str, title: str = "") -> None:
     ax.bar(
         [label(r["algorithm"], r["k"]) for r in rows],
         [r["speedup_vs_none"] for r in rows],
-        color=["#94a3b8" if r["algorithm"] in ("none", "hf", "llamacpp") else "#16a34a" for r in rows],
+        color=["#94a3b8" if r["algorithm"] in (PLAIN, *REFERENCES) else "#16a34a" for r in rows],
     )
     ax.axhline(1.0, color="black", lw=0.8, ls="--")
     ax.set_ylabel("speedup over plain decoding (wall time)")
@@ -75,7 +75,7 @@ def plot(result: dict, path: str, title: str = "") -> None:
 
     ax = axes[-1]
     # auto mixes plain steps and algorithms round by round: no single alpha, c and v describe it, so no curve
-    fixed = {a: rs for a, rs in by_algorithm.items() if a != "auto"}
+    fixed = {a: rs for a, rs in by_algorithm.items() if a != Algorithm.AUTO}
     for i, (a, rs) in enumerate(fixed.items()):
         colour = f"C{i}"
         curve = theory_points(rs)

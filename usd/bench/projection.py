@@ -13,12 +13,12 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from ..settings import ALGORITHMS
+from ..algorithms import DRAFTING
 from ..theory import expected_speedup, expected_tokens_per_round
 
 PROFILES = Path(__file__).resolve().parent.parent / "profiles"
 """The profiles that ship with the package (usd/profiles)."""
-FIXED = tuple(a for a in ALGORITHMS if a not in ("auto", "none"))
+FIXED = tuple(a.value for a in DRAFTING)
 """The algorithms that draft the same way every round, so that one alpha describes them (standard, tli, slem)."""
 
 

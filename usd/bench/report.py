@@ -4,6 +4,11 @@ other."""
 
 from __future__ import annotations
 
+REFERENCES = ("hf", "llamacpp")
+"""Generations that are not ours, which only the benchmark runs: `hf`, transformers' own assisted generation, and
+`llamacpp`, llama-cpp-python's own generate on the target's GGUF (what a CPU user would otherwise run). They run once
+per prompt at their own draft length, and have no rounds or acceptance."""
+
 
 def label(algorithm: str, k) -> str:
     return algorithm if k in (0, None) else f"{algorithm} k={k}"

@@ -22,21 +22,18 @@ from typing import get_args
 import torch
 
 from .. import chat, decoder, settings, suggest
+from ..algorithms import PLAIN, Algorithm
 from ..catalog import Precision
 from ..datasets import Prompt, load_prompts
 from ..events import Finished
 from ..pair import Pair
 from ..sampling import SamplingParams
 from .plots import plot
-from .report import label, pair_plot_path, table
+from .report import REFERENCES, label, pair_plot_path, table
 
-ALGORITHMS = (*settings.ALGORITHMS, "hf", "llamacpp")
-"""The generation algorithms, and two references only the benchmark runs: `hf`, transformers' own assisted
-generation, and `llamacpp`, llama-cpp-python's own generate on the target's GGUF (what a CPU user would otherwise
-run)."""
-REFERENCES = ("hf", "llamacpp")
-DEFAULT_ALGORITHMS = ("none", "tli", "slem", "auto")
-"""Not ours: they run once per prompt at their own draft length (none), and have no rounds or acceptance."""
+ALGORITHMS = (*settings.ALGORITHMS, *REFERENCES)
+"""The generation algorithms, and the references only the benchmark runs (report.REFERENCES)."""
+DEFAULT_ALGORITHMS = tuple(a.value for a in (PLAIN, Algorithm.TLI, Algorithm.SLEM, Algorithm.AUTO))
 SWEEP_K = tuple(range(1, 9))
 """`--draft-tokens sweep`: every drafting algorithm at each of these draft lengths."""
 SUMMARY_KEYS = (
@@ -100,7 +97,7 @@ def run_ours(
     return Run(
         prompt.id,
         algorithm,
-        0 if algorithm == "none" else k,
+        0 if Algorithm(algorithm).plain else k,
         list(done.target_ids),
         s.wall_s,
         s.tokens,
@@ -216,10 +213,10 @@ def variants(algorithms: list[str], k) -> list[tuple[str, int | str | None]]:
     every drafting algorithm at `k`, or at each k of SWEEP_K when k is "sweep"."""
     out: list[tuple[str, int | str | None]] = []
     for a in algorithms:
-        if a == "none":
-            out.append(("none", 0))
-        elif a in REFERENCES:
+        if a in REFERENCES:
             out.append((a, None))
+        elif Algorithm(a).plain:
+            out.append((a, 0))
         else:
             out += [(a, kk) for kk in SWEEP_K] if k == "sweep" else [(a, k)]
     return out
@@ -240,10 +237,10 @@ def _predicted(runs: list[Run], drafted: int, verify_rounds: float) -> float | N
 def summarize(runs: list[Run], plan: list[tuple], greedy: bool) -> list[dict]:
     by = {v: [r for r in runs if (r.algorithm, r.k) == v] for v in plan}
     walls = {v: sum(r.wall_s for r in rs) for v, rs in by.items()}
-    none_wall = walls.get(("none", 0))
+    none_wall = walls.get((PLAIN, 0))
     hf_wall = walls.get(("hf", None))
     llama_wall = walls.get(("llamacpp", None))
-    plain = {r.prompt: r.target_ids for r in by.get(("none", 0), [])}
+    plain = {r.prompt: r.target_ids for r in by.get((PLAIN, 0), [])}
     rows = []
     for (a, k), rs in by.items():
         wall = walls[(a, k)]
@@ -267,7 +264,7 @@ def summarize(runs: list[Run], plan: list[tuple], greedy: bool) -> list[dict]:
                 "c": _mean(r.c for r in rs) if ours else None,
                 "v": _mean(r.v for r in rs) if ours else None,
                 "overhead_share": max(0.0, 1 - forward / wall) if ours and wall else None,
-                "predicted_speedup": _predicted(rs, drafted, verify_rounds) if ours and a != "none" else None,
+                "predicted_speedup": _predicted(rs, drafted, verify_rounds) if ours and a != PLAIN else None,
                 "identical_to_none": (all(r.target_ids == plain[r.prompt] for r in rs) if plain else None)
                 if greedy
                 else None,
@@ -322,7 +319,9 @@ def bench(
 ) -> dict:
     """Run every (algorithm, k) of `variants` on every prompt, interleaved, after a warm-up. k may be "sweep"."""
     params = params or SamplingParams()
-    algorithms = [a for a in algorithms if a != "standard" or pair.same_tokenizer]
+    algorithms = [
+        a for a in algorithms if a in REFERENCES or not Algorithm(a).spec.one_tokenizer or pair.same_tokenizer
+    ]
     plan = variants(algorithms, k)
     if "hf" in algorithms:
         models = ((pair.target_name, pair.target), (pair.drafter_name or "the drafter", pair.drafter))

@@ -309,10 +309,7 @@ def speculative_stats(stats: Stats, counts: Counts) -> dict:
     `metrics.speculative_decoding`), its name is used: num_spec_steps, num_draft_tokens, num_accepted_draft_tokens,
     draft_acceptance_rate, mean_acceptance_length, acceptance_histogram. The rest are the engine's own (Stats)."""
     steps = sum(counts.histogram)
-    plain = stats.rounds_by_algorithm.get("none", 0)
-    measured = None
-    if stats.step_s and stats.rounds > plain and stats.tokens_per_s:
-        measured = stats.tokens_per_s * stats.step_s  # against plain steps inside this answer, as the app estimates
+    measured = stats.plain_step_speedup  # against plain steps inside this answer, as the app estimates
     return {
         "algorithm": stats.algorithm,
         "rounds": stats.rounds,

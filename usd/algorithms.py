@@ -1,0 +1,112 @@
+"""The algorithms, in one table: what each proposes, how its candidates are accepted, what it needs of the pair, and
+whether a seed fixes its answer. The decode loop, auto's schedule, the settings, usd suggest, usd bench, the UI and the
+server read this table instead of comparing names; adding an algorithm is a row here and its drafter module.
+
+Each `Algorithm` is a `StrEnum` member, so it is also its own name on every wire (events, JSON, the UI's menu) and
+compares equal to it; the code asks the member's properties instead (docs/design.md §5 for why each is lossless).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum, StrEnum
+
+
+class Proposal(Enum):
+    """How a round's candidates come about."""
+
+    NOTHING = "nothing"
+    """No candidates: the round is one plain target step."""
+    TOKENS = "tokens"
+    """The drafter samples its own tokens, restricted to the vocabulary it shares with the target: each is a target
+    id, with the drafter's probability q behind it (drafters.draft_tokens)."""
+    STRINGS = "strings"
+    """The drafter writes text in its own vocabulary, which the target's tokenizer re-tokenizes; no q survives the
+    re-tokenization (drafters.draft_strings)."""
+
+
+class Acceptance(Enum):
+    """How the target decides, under sampling, which candidates stand (greedy: each candidate that is the argmax)."""
+
+    EXACT_MATCH = "exact match"
+    """The target draws its own token at each position; a candidate stands while it equals that draw
+    (verify.exact_match). Plain sampling is this rule with no candidates."""
+    REJECTION = "rejection sampling"
+    """Each candidate stands with probability min(1, p / q), and a rejection resamples from the residual
+    (verify.rejection_sampling): it needs the q of every candidate."""
+
+
+@dataclass(frozen=True)
+class Spec:
+    label: str
+    proposes: Proposal | None
+    """None: the algorithm does not draft itself, it picks the algorithm of each round (auto)."""
+    accepts: Acceptance | None
+    one_tokenizer: bool
+    """Needs target and drafter to share one tokenizer."""
+    seed_stable: bool
+    """A seed fixes its answer however rounds are cut: its every draw is tied to an answer position
+    (sampling.position_generator), not to the order of a round's draws."""
+
+
+class Algorithm(StrEnum):
+    AUTO = "auto"
+    TLI = "tli"
+    SLEM = "slem"
+    STANDARD = "standard"
+    NONE = "none"
+
+    @property
+    def spec(self) -> Spec:
+        return SPECS[self]
+
+    @property
+    def plain(self) -> bool:
+        """Plain decoding: the target alone, through the same loop."""
+        return self.spec.proposes is Proposal.NOTHING
+
+    @property
+    def chooses(self) -> bool:
+        """Picks an algorithm per round instead of drafting itself."""
+        return self.spec.proposes is None
+
+    @property
+    def needs_drafter(self) -> bool:
+        return not self.plain and not self.chooses
+
+
+_TOKENS, _STRINGS, _NOTHING = Proposal.TOKENS, Proposal.STRINGS, Proposal.NOTHING
+_REJECT, _MATCH = Acceptance.REJECTION, Acceptance.EXACT_MATCH
+SPECS: dict[Algorithm, Spec] = {
+    # algorithm: Spec(label, proposes, accepts, one_tokenizer, seed_stable)
+    Algorithm.AUTO: Spec("auto: the fastest of the others, chosen per round", None, None, False, False),
+    Algorithm.TLI: Spec("token-level intersection (tli)", _TOKENS, _REJECT, False, False),
+    Algorithm.SLEM: Spec("string-level exact match (slem)", _STRINGS, _MATCH, False, True),
+    Algorithm.STANDARD: Spec("standard speculative decoding", _TOKENS, _REJECT, True, False),
+    Algorithm.NONE: Spec("plain decoding (the target alone)", _NOTHING, _MATCH, False, True),
+}
+
+NAMES: tuple[str, ...] = tuple(Algorithm)
+"""Every name a user may ask for, auto first."""
+PLAIN = Algorithm.NONE
+DRAFTING: tuple[Algorithm, ...] = tuple(a for a in Algorithm if a.needs_drafter)
+"""The algorithms that draft with a drafter model."""
+
+
+def auto_modes(same_tokenizer: bool, seeded_sampling: bool) -> list[Algorithm]:
+    """What auto weighs each round: plain decoding and the drafting algorithms that suit the pair. On a pair of one
+    tokenizer those that need it (the drafter's whole vocabulary is shared), on another pair the rest. Under sampling
+    with a seed only the seed-stable ones, so that the same seed gives the same text whatever auto chose."""
+    if seeded_sampling:
+        return [PLAIN, *(a for a in DRAFTING if a.spec.seed_stable)]
+    return [PLAIN, *(a for a in DRAFTING if a.spec.one_tokenizer == same_tokenizer)]
+
+
+def runnable(algorithm: Algorithm, has_drafter: bool, same_tokenizer: bool) -> str | None:
+    """Why the algorithm cannot run on this pair, in words for the user, or None when it can."""
+    if algorithm.needs_drafter and not has_drafter:
+        return f"algorithm {algorithm.value!r} needs a drafter; load one or use 'none'"
+    if algorithm.spec.one_tokenizer and not same_tokenizer:
+        others = ", ".join(a.value for a in DRAFTING if not a.spec.one_tokenizer)
+        return f"{algorithm.value!r} needs identical tokenizers; this pair differs, use {others} or auto"
+    return None
