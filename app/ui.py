@@ -18,7 +18,7 @@ from types import SimpleNamespace
 import gradio as gr
 import pandas as pd
 
-from usd import api
+from usd import api, suggest
 from usd.algorithms import PLAIN
 from usd.chat import check_prompt
 from usd.loading import LoadError
@@ -285,6 +285,11 @@ class Handlers:
         except Exception as e:  # whatever a broken model directory throws: the reason, and the old pair stays
             raise LoadError(f"could not load {t} + {d}: {type(e).__name__}: {e}") from None
 
+    def _events(self, pair, s: GenerationSettings, prompt, messages, chat_mode: bool, cancel) -> Iterator:
+        events = self.stream(pair, prompt, messages=messages, chat_mode=chat_mode, settings=s, cancel=cancel)
+        # what use of a local pair shows refines `usd suggest` (a remote server's pair is not this machine's)
+        return events if self.remote else suggest.recording(pair, events, greedy=s.greedy)
+
     def run(
         self, s: GenerationSettings, prompt=None, *, messages=None, chat_mode=False, cancel=None
     ) -> Iterator[render.Live]:
@@ -300,10 +305,7 @@ class Handlers:
         with hold as running:
             if not running:  # stopped while waiting for a slot
                 return
-            events = in_background(
-                lambda: self.stream(pair, prompt, messages=messages, chat_mode=chat_mode, settings=s, cancel=cancel),
-                cancel,
-            )
+            events = in_background(lambda: self._events(pair, s, prompt, messages, chat_mode, cancel), cancel)
             try:
                 for batch in events:
                     for event in batch:

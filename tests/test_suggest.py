@@ -185,10 +185,16 @@ def test_use_refines_the_stored_acceptance_and_the_table_says_what_it_rests_on(t
     t_tok, d_tok = tiny_tokenizers["target"], tiny_tokenizers["byte-level"]
     t_model, d_model = tiny_pair(t_tok, d_tok, seed=0)
     pair = usd.Pair(t_model, t_tok, d_model, d_tok, target_name="t", drafter_name="bl")
+    # the library only yields (it leaves no file behind); the app, the CLI and the server attach the recording
+    usd.generate(pair, "def fibonacci(n):", algorithm="tli", max_new_tokens=8)
+    assert not suggest.store_path().exists()
     accepted, tested, drafted = rounds_of(
-        usd.stream(pair, "def fibonacci(n):", algorithm="tli", draft_tokens=4, max_new_tokens=16)
+        suggest.recording(
+            pair, usd.stream(pair, "def fibonacci(n):", algorithm="tli", draft_tokens=4, max_new_tokens=16), True
+        )
     )
-    usd.generate(pair, "def fibonacci(n):", algorithm="tli", max_new_tokens=8, temperature=1.0, seed=1)
+    sampled = usd.stream(pair, "def fibonacci(n):", algorithm="tli", max_new_tokens=8, temperature=1.0, seed=1)
+    list(suggest.recording(pair, sampled, greedy=False))
     stored = json.loads(suggest.store_path().read_text())[suggest.USE]["t|bl"]
     # per tested position, as auto's cost model counts: the candidates after a rejection were never tested
     assert stored["tli"] == [accepted, tested] and tested < drafted

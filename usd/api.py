@@ -19,7 +19,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Literal
 
-from . import chat, costs, decoder, numerics, suggest
+from . import chat, costs, decoder, numerics
 from .catalog import Catalog, Precision, load_catalog
 from .events import Finished, Round
 from .loading import entry_for, load_model
@@ -89,7 +89,9 @@ def stream(
     is one user message; `messages` is a whole conversation ([{role, content}], the last one the user's).
     How to generate: `settings`, and/or its fields as keywords (algorithm, draft_tokens, temperature, top_p, top_k,
     seed, max_new_tokens, stop_strings), which override it; defaults and ranges are GenerationSettings'.
-    Bad input raises ValueError (PromptError for the prompt) before any model work, with what to change."""
+    Bad input raises ValueError (PromptError for the prompt) before any model work, with what to change.
+    It only yields: what a caller wants remembered of the generation (`suggest.recording`, which the app, the CLI
+    and the server attach) is the caller's to attach."""
     s = settings or GenerationSettings()
     if options:
         s = s.replace(**options)
@@ -110,7 +112,6 @@ def stream(
         stop_strings=s.stop_strings,
         cancel=cancel,
     )
-    events = suggest.recording(pair, events, greedy=s.greedy)  # what use shows refines `usd suggest`
     for event in events:
         if isinstance(event, Finished) and messages is not None and pair.drafter is not None:
             chat.record_rendering(pair.memory, rendering, event.stats.accepted, event.stats.drafted)

@@ -244,7 +244,7 @@ def _result(done) -> dict:
 
 
 def cmd_generate(args) -> int:
-    from . import api
+    from . import api, suggest
     from .events import Finished
 
     catalog = _catalog(args)
@@ -264,7 +264,8 @@ def cmd_generate(args) -> int:
     results = []
     for i in range(args.samples or 1):
         sample = settings if settings.seed is None else settings.replace(seed=settings.seed + i)
-        for event in api.stream(pair, **inputs, settings=sample):
+        events = suggest.recording(pair, api.stream(pair, **inputs, settings=sample), greedy=sample.greedy)
+        for event in events:
             if isinstance(event, Finished):
                 results.append(_result(event))
             elif not args.json:

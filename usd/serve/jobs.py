@@ -8,7 +8,7 @@ import contextlib
 import threading
 from typing import TYPE_CHECKING
 
-from usd import api
+from usd import api, suggest
 from usd.events import Finished, Round
 from usd.settings import GenerationSettings
 
@@ -75,7 +75,8 @@ class Job:
             self.prompt_tokens = api.count_prompt(
                 pair, self.settings, self.inputs.get("prompt"), self.inputs.get("messages")
             )
-        for event in api.stream(pair, **self.inputs, settings=self.settings, cancel=self.cancel):
+        events = api.stream(pair, **self.inputs, settings=self.settings, cancel=self.cancel)
+        for event in suggest.recording(pair, events, greedy=self.settings.greedy):
             self._put(event)
 
     def _count(self, pair) -> int:
