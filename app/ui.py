@@ -21,6 +21,7 @@ import pandas as pd
 from usd import api, suggest
 from usd.algorithms import PLAIN
 from usd.chat import check_prompt
+from usd.errors import InternalError
 from usd.loading import LoadError
 from usd.serve.slots import Slots
 from usd.settings import ALGORITHMS, DRAFT_TOKENS_MAX, MAX_NEW_TOKENS_MAX, GenerationSettings
@@ -194,6 +195,8 @@ def _as_message():
         raise
     except (ValueError, LoadError) as e:
         raise gr.Error(str(e), print_exception=False) from None
+    except InternalError as e:  # a bug, not the user's input: its traceback goes to the log
+        raise gr.Error(f"Internal error, please report it: {e}") from e
 
 
 def shown_to_user(handler):

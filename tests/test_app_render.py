@@ -559,3 +559,24 @@ def test_background_stream_merges_the_rounds_between_updates():
     assert [x for b in batches for x in b] == list(range(40))
     assert batches[0] == [0], "the first round goes out at once"
     assert len(batches) <= took / 0.1 + 2, f"{len(batches)} updates in {took:.2f} s"
+
+
+def test_an_engine_bug_reaches_the_ui_as_a_request_for_a_report_not_as_bad_input():
+    import gradio as gr
+
+    from app.ui import shown_to_user
+    from usd.errors import InternalError
+
+    def broken():
+        raise InternalError("candidate 0 (id 7) has q = 0")
+
+    def bad_input():
+        raise ValueError("temperature must be a number from 0 (greedy) to 5")
+
+    with pytest.raises(gr.Error) as bug:
+        shown_to_user(broken)()
+    assert bug.value.message == "Internal error, please report it: candidate 0 (id 7) has q = 0"
+    assert bug.value.print_exception  # a bug: its traceback goes to the log
+    with pytest.raises(gr.Error) as mistake:
+        shown_to_user(bad_input)()
+    assert mistake.value.message.startswith("temperature must be") and not mistake.value.print_exception

@@ -332,3 +332,13 @@ def test_a_response_the_openai_schema_refuses_fails_in_the_server_not_in_a_clien
         shape.chunk("x", reason="cancelled")  # not one of OpenAI's finish reasons
     with pytest.raises(ValidationError, match="prompt_tokens"):
         shape.usage_chunk(3.5, 4)  # a count that is not a whole number
+
+
+def test_an_engine_bug_is_a_500_that_asks_for_a_report_and_bad_input_a_400():
+    from usd.errors import InternalError
+    from usd.serve.routes import engine_error
+
+    bug = engine_error(InternalError("candidate 0 (id 7) has q = 0"))
+    assert bug.status == 500 and bug.body()["error"]["code"] == "internal_error"
+    assert bug.message == "internal error (a bug in the engine, please report it): candidate 0 (id 7) has q = 0"
+    assert engine_error(ValueError("temperature must be a number")).status == 400

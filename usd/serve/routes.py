@@ -19,6 +19,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from usd import api, chat
+from usd.errors import InternalError
 from usd.events import Finished, Round
 from usd.loading import LoadError
 from usd.pair import Pair
@@ -133,6 +134,8 @@ def engine_error(e: BaseException) -> p.APIError:
         return p.APIError(503, f"the model could not be loaded: {e}", "model", "model_not_loaded")
     if isinstance(e, ValueError):  # the engine's other input checks (e.g. an algorithm this pair cannot run)
         return p.bad_request(str(e))
+    if isinstance(e, InternalError):
+        return p.APIError(500, f"internal error (a bug in the engine, please report it): {e}", None, "internal_error")
     return p.APIError(500, f"internal error: {type(e).__name__}: {e}", None, "internal_error")
 
 
