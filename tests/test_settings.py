@@ -128,7 +128,7 @@ def test_replace_checks_again_and_settings_are_frozen():
 
 
 def test_sampling_params_come_from_the_settings_and_share_their_checks():
-    assert GenerationSettings(temperature=0.7, top_k=5, top_p=0.9, seed=3).sampling_params() == SamplingParams(
+    assert SamplingParams.of(GenerationSettings(temperature=0.7, top_k=5, top_p=0.9, seed=3)) == SamplingParams(
         temperature=0.7, top_k=5, top_p=0.9, seed=3
     )
     with pytest.raises(ValueError, match=re.escape("top-k must be a whole number from 0 to 1,048,576, got -1")):

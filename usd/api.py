@@ -24,6 +24,7 @@ from .catalog import Catalog, Precision, load_catalog
 from .events import Finished, Round
 from .loading import entry_for, load_model
 from .pair import Pair
+from .sampling import SamplingParams
 from .settings import GenerationSettings
 from .store import cache_dir
 
@@ -107,7 +108,7 @@ def stream(
         d_ids,
         algorithm=s.algorithm,
         k=s.draft_tokens,
-        params=s.sampling_params(),
+        params=SamplingParams.of(s),
         max_new_tokens=s.max_new_tokens,
         stop_strings=s.stop_strings,
         cancel=cancel,

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .settings import check_temperature, check_top_k, check_top_p, is_greedy
+from .settings import GenerationSettings, check_temperature, check_top_k, check_top_p, is_greedy
 
 
 @dataclass(frozen=True)
@@ -33,6 +33,11 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return is_greedy(self.temperature)
+
+    @classmethod
+    def of(cls, settings: GenerationSettings) -> SamplingParams:
+        """The sampling part of a generation's settings."""
+        return cls(temperature=settings.temperature, top_k=settings.top_k, top_p=settings.top_p, seed=settings.seed)
 
 
 def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:

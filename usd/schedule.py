@@ -29,6 +29,7 @@ from __future__ import annotations
 from .algorithms import PLAIN, Algorithm, auto_modes
 from .events import Bound
 from .record import RoundRecord
+from .theory import best_k, tau
 
 K_START = 4
 """The draft length a mode is first tried at, before anything is known about it."""
@@ -61,11 +62,6 @@ MIN_CONFIDENCE = 0.25
 """With adaptive k, stop a draft when the drafter's own top probability falls below this."""
 
 
-def tau(alpha: float, k: int) -> float:
-    """Expected tokens a round emits with k drafted at i.i.d. acceptance alpha (Leviathan et al.)."""
-    return k + 1.0 if alpha >= 1.0 else (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
-
-
 def tested_positions(accepted: int, drafted: int) -> int:
     """The candidates of a round the verifier tested: all that were accepted, and the first rejected one if any (the
     ones after it were never tested)."""
@@ -78,8 +74,7 @@ def speedup_bound(c: float, v: dict[int, float], ceiling: float = 1.0, k_max: in
     `v`: the measured v(k) (others interpolated, `interpolate`). Returns the best k and its bound: where the bound is
     below 1, no draft length can pay, whatever the acceptance."""
     known = {1 + k: vk for k, vk in v.items()} | {1: 1.0}
-    bounds = [(k, tau(ceiling, k) / (k * c + interpolate(known, k + 1))) for k in range(1, k_max + 1)]
-    return max(bounds, key=lambda kb: (kb[1], -kb[0]))
+    return best_k(ceiling, c, lambda k: interpolate(known, k + 1), range(1, k_max + 1))
 
 
 def interpolate(known: dict[int, float], n: int) -> float:

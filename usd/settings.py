@@ -13,16 +13,13 @@ import contextlib
 import math
 import reprlib
 from itertools import islice
-from typing import TYPE_CHECKING, Literal, get_args
+from typing import Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, ValidationError, field_validator, model_validator
 
 from .algorithms import NAMES, Algorithm
 from .catalog import Precision
 from .utf8 import not_text
-
-if TYPE_CHECKING:
-    from .sampling import SamplingParams
 
 ALGORITHMS: tuple[str, ...] = NAMES
 """The algorithms' names (usd/algorithms.py holds what each one is)."""
@@ -226,11 +223,6 @@ class GenerationSettings(BaseModel):
     @property
     def greedy(self) -> bool:
         return is_greedy(self.temperature)
-
-    def sampling_params(self) -> SamplingParams:
-        from .sampling import SamplingParams
-
-        return SamplingParams(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, seed=self.seed)
 
     @model_validator(mode="before")
     @classmethod

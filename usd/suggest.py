@@ -42,12 +42,13 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from . import theory
 from .algorithms import DRAFTING, Algorithm, Proposal
 from .costs import timed_forward
 from .datasets import Prompt
 from .drafters import target_proposal
 from .runners import Runner, runner_for
-from .schedule import K_MAX, tau, tested_positions
+from .schedule import K_MAX, tested_positions
 
 if TYPE_CHECKING:
     from .catalog import Precision
@@ -135,10 +136,8 @@ class Measured:
 
 
 def best_k(alpha: float, c: float, v: dict[int, float], k_max: int = K_MAX) -> tuple[int, float]:
-    """The draft length of the highest expected speedup tau(alpha, k) / (k c + v(k)), and that speedup."""
-    speedups = [(tau(alpha, k) / (k * c + v[k]), k) for k in range(1, k_max + 1) if k in v]
-    s, k = max(speedups, key=lambda sk: (sk[0], -sk[1]))
-    return k, s
+    """The draft length of the highest expected speedup at the measured v(k) (`theory.best_k`), and that speedup."""
+    return theory.best_k(alpha, c, v.__getitem__, [k for k in range(1, k_max + 1) if k in v])
 
 
 def rank(measured: Iterable[Measured], v: dict[int, float]) -> list[dict]:

@@ -14,7 +14,7 @@ import json
 from pathlib import Path
 
 from ..algorithms import DRAFTING
-from ..theory import expected_speedup, expected_tokens_per_round
+from ..theory import expected_speedup, tau
 
 PROFILES = Path(__file__).resolve().parent.parent / "profiles"
 """The profiles that ship with the package (usd/profiles)."""
@@ -66,7 +66,7 @@ def project(alpha: float, c: float, v: dict[int, float] | float, k_max: int = 8)
         rows.append(
             {
                 "k": k,
-                "tau": expected_tokens_per_round(alpha, k),
+                "tau": tau(alpha, k),
                 "c": c,
                 "v": vk,
                 "speedup": expected_speedup(alpha, k, c, vk),

@@ -3,7 +3,8 @@ streamed, with the engine's speculative stats (and, on request, every round's pi
 clients ignore. `protocol` is the wire format, `slots` the shared concurrency limit, `jobs` one request's generation,
 `routes` the FastAPI routes."""
 
-from .routes import FixedPair, Service, create_app, create_router
+from .routes import create_app, create_router
+from .service import FixedPair, Service
 from .slots import QueueFull, Slots
 
 __all__ = ["FixedPair", "QueueFull", "Service", "Slots", "create_app", "create_router"]

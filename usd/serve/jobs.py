@@ -13,7 +13,7 @@ from usd.events import Finished, Round
 from usd.settings import GenerationSettings
 
 if TYPE_CHECKING:
-    from .routes import Service
+    from .service import Service
     from .slots import Ticket
 
 

@@ -44,7 +44,8 @@ def run_cli(args, catalog) -> int:
 
     from usd import api
 
-    from .routes import FixedPair, create_app
+    from .routes import create_app
+    from .service import FixedPair
     from .slots import Slots
 
     def log(message) -> None:

@@ -7,8 +7,7 @@ import functools
 import json
 import logging
 import secrets
-import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, FastAPI, Request
@@ -22,79 +21,15 @@ from usd import api, chat
 from usd.errors import InternalError
 from usd.events import Finished, Round
 from usd.loading import LoadError
-from usd.pair import Pair
 from usd.settings import GenerationSettings
 
 from . import protocol as p
 from .jobs import ClientGone, Job
 from .limits import BodyLimit
-from .slots import QueueFull, Slots
+from .service import Service
+from .slots import QueueFull
 
 log = logging.getLogger("usd.serve")
-
-
-class Service:
-    """What the routes serve: the models a request may name, the pair to run each on, the shared slots, the key.
-    `wrap` wraps the function that runs the models (the app passes ZeroGPU's decorator)."""
-
-    def __init__(self, slots: Slots | None = None, api_key: str | None = None, wrap: Callable = lambda fn: fn):
-        self.slots = slots or Slots()
-        self.api_key = api_key or None
-        self.wrap = wrap
-        self.started = int(time.time())
-
-    def models(self) -> list[dict]:
-        raise NotImplementedError
-
-    def resolve(self, model: str) -> str:
-        """The served name `model` means; APIError 404 when it names nothing served here."""
-        raise NotImplementedError
-
-    def loaded(self, name: str) -> Pair | None:
-        """The pair for `name` if it is loaded now (its prompt can be checked before the request queues)."""
-        raise NotImplementedError
-
-    def pair(self, name: str) -> Pair:
-        """The pair for `name`, loading it if needed; called holding a slot."""
-        raise NotImplementedError
-
-    def model_card(self, name: str, drafter: str | None, loaded: bool) -> dict:
-        return {
-            "id": name,
-            "object": "model",
-            "created": self.started,
-            "owned_by": "usd-chat",
-            "drafter": drafter,
-            "loaded": loaded,
-        }
-
-
-class FixedPair(Service):
-    """`usd serve`: one pair, loaded once; a request names its target."""
-
-    def __init__(self, pair: Pair, **kwargs):
-        super().__init__(**kwargs)
-        self._pair = pair
-
-    def models(self) -> list[dict]:
-        return [self.model_card(self._pair.target_name, self._pair.drafter_name, True)]
-
-    def resolve(self, model: str) -> str:
-        if model != self._pair.target_name:
-            raise p.APIError(
-                404,
-                f"model {model!r} is not served here; this server serves "
-                f"{self._pair.target_name!r} (GET /v1/models lists it)",
-                "model",
-                "model_not_found",
-            )
-        return model
-
-    def loaded(self, name: str) -> Pair:
-        return self._pair
-
-    def pair(self, name: str) -> Pair:
-        return self._pair
 
 
 bearer = HTTPBearer(auto_error=False, description="the server's API key, when it has one")
