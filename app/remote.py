@@ -10,11 +10,12 @@ and the stats are what it reports: the token count (usage) and, from vLLM with p
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from usd.catalog import Catalog
 from usd.events import Finished, Piece, Round, Stats
 from usd.loading import LoadError
+from usd.serve.protocol import stats_from_speculative
 from usd.settings import GenerationSettings
 
 from .pairs import Choice
@@ -238,16 +239,7 @@ class _Remote:
             self.stop_reason = (self.spec or {}).get("stop_reason") or ("max_tokens" if reason == "length" else "eos")
         if isinstance(spec, dict) and "pieces" in spec:
             self.rounds = int(spec.get("round", self.rounds + 1))
-            pieces = tuple(
-                Piece(
-                    text=p["text"],
-                    kind=p["kind"],
-                    target_id=p.get("target_id"),
-                    round=p["round"],
-                    drafter_ids=tuple(p.get("drafter_ids") or ()),
-                )
-                for p in spec["pieces"]
-            )
+            pieces = tuple(Piece.from_dict(p) for p in spec["pieces"])
             drafted = sum(p.kind in ("accepted", "rejected") for p in pieces)
             accepted = sum(p.kind == "accepted" for p in pieces)
             return Round(
@@ -282,23 +274,8 @@ class _Remote:
 
     def stats(self) -> Stats:
         if self.spec:  # usd serve: the engine's own numbers
-            s = self.spec
-            return Stats(
-                algorithm=s.get("algorithm", "auto"),
-                rounds=s.get("rounds", 0),
-                drafted=s.get("num_draft_tokens", 0),
-                accepted=s.get("num_accepted_draft_tokens", 0),
-                tokens=s.get("tokens", 0),
-                wall_s=s.get("wall_s", 0.0),
-                stop_reason=self.stop_reason if self.stop_reason == "cancelled" else s.get("stop_reason"),
-                c=s.get("c"),
-                v=s.get("v"),
-                mean_k=s.get("mean_k") or 0.0,
-                rounds_by_algorithm=s.get("rounds_by_algorithm") or {},
-                forward_s=s.get("forward_s") or 0.0,
-                drafting_stopped=s.get("drafting_stopped"),
-                step_s=s.get("step_s"),
-            )
+            stats = stats_from_speculative(self.spec)
+            return replace(stats, stop_reason="cancelled") if self.stop_reason == "cancelled" else stats
         tokens = self.tokens if self.tokens is not None else self.rounds
         v = self.vllm or {}
         return Stats(

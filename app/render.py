@@ -85,14 +85,6 @@ def legend_html() -> str:
     return f'<div class="legend">{items}<span class="legend-hint">hover a token for its round and ids</span></div>'
 
 
-def piece_dicts(pieces) -> list[dict]:
-    """The API's form of the pieces: {text, kind, round} (plus the ids, for whoever wants them)."""
-    return [
-        {"text": p.text, "kind": p.kind, "round": p.round, "target_id": p.target_id, "drafter_ids": list(p.drafter_ids)}
-        for p in pieces
-    ]
-
-
 @dataclass
 class Live:
     """One generation as the UI shows it: its pieces, the chart's rows, and the engine's own running numbers (every
@@ -212,8 +204,9 @@ def auto_choice(event: Round) -> str:
     return f"plain decoding: the best speculation, {algorithm} k={k}, is expected at {speedup:.2f}x; {verdict}"
 
 
-def _fmt(x, spec: str = ".2f", unit: str = "") -> str:
-    return "–" if x is None else f"{x:{spec}}{unit}"
+def fmt(x, spec: str = ".2f", unit: str = "", missing: str = "–") -> str:
+    """A number for a table cell, `missing` when there is none."""
+    return missing if x is None else f"{x:{spec}}{unit}"
 
 
 def warning_text(n: dict, algorithm: str) -> str | None:
@@ -225,7 +218,7 @@ def warning_text(n: dict, algorithm: str) -> str | None:
     if n.get("c") is not None:
         why = (
             f" Each drafted token costs {n['c']:.2f} of a target step and only "
-            f"{_fmt(n.get('acceptance_rate'), '.0%')} of drafts are kept."
+            f"{fmt(n.get('acceptance_rate'), '.0%')} of drafts are kept."
         )
     advice = (
         "auto falls back to plain decoding when it measures this; "
@@ -280,12 +273,12 @@ def stats_html(n: dict, algorithm: str) -> str:
 
 
 def _counts_row(n: dict) -> tuple[str, str]:
-    return "tokens · rounds · seconds", f"{n.get('tokens', 0)} · {n.get('rounds', 0)} · {_fmt(n.get('wall_s'), '.1f')}"
+    return "tokens · rounds · seconds", f"{n.get('tokens', 0)} · {n.get('rounds', 0)} · {fmt(n.get('wall_s'), '.1f')}"
 
 
 def _plain_rows(n: dict) -> list[tuple[str, str]]:
     """Plain decoding: its speed, and an earlier speculative answer's beside it, when there is one."""
-    rows = [("tokens/s", _fmt(n.get("tokens_per_s"), ".1f"))]
+    rows = [("tokens/s", fmt(n.get("tokens_per_s"), ".1f"))]
     earlier = n.get("earlier_speculative")
     if earlier:
         rows.append(
@@ -300,18 +293,18 @@ def _plain_rows(n: dict) -> list[tuple[str, str]]:
 
 def _speculative_rows(n: dict) -> list[tuple[str, str]]:
     return [
-        ("tokens/s", _fmt(n.get("tokens_per_s"), ".1f")),
-        ("acceptance α", _fmt(n.get("acceptance_rate"), ".0%")),
-        ("tokens per target forward τ", _fmt(n.get("tokens_per_round"), ".2f")),
+        ("tokens/s", fmt(n.get("tokens_per_s"), ".1f")),
+        ("acceptance α", fmt(n.get("acceptance_rate"), ".0%")),
+        ("tokens per target forward τ", fmt(n.get("tokens_per_round"), ".2f")),
         ("draft length k", str(n.get("k") if n.get("k") is not None else "–")),
-        ("drafter cost c", _fmt(n.get("c"), ".2f")),
-        ("verify cost v", _fmt(n.get("v"), ".2f")),
-        ("theoretical speedup", _fmt(n.get("theoretical_speedup"), ".2f", "x")),
-        ("expected speedup at this k", _fmt(n.get("expected_speedup"), ".2f", "x")),
+        ("drafter cost c", fmt(n.get("c"), ".2f")),
+        ("verify cost v", fmt(n.get("v"), ".2f")),
+        ("theoretical speedup", fmt(n.get("theoretical_speedup"), ".2f", "x")),
+        ("expected speedup at this k", fmt(n.get("expected_speedup"), ".2f", "x")),
         *([("auto's choice", html.escape(n["choice"]))] if n.get("choice") else []),
         (
             "measured speedup",
-            _fmt(n.get("measured_speedup"), ".2f", "x")
+            fmt(n.get("measured_speedup"), ".2f", "x")
             + (f" <small>({n['speedup_basis']})</small>" if n.get("speedup_basis") else ""),
         ),
         _counts_row(n),

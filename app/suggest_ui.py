@@ -9,6 +9,7 @@ import pandas as pd
 
 from usd import suggest
 
+from .render import fmt
 from .space import gpu
 
 COLUMNS = [
@@ -30,10 +31,6 @@ COLUMNS = [
 PROMPTS = "code"
 
 
-def _fmt(x, spec: str) -> str:
-    return "-" if x is None else format(x, spec)
-
-
 def table(report: dict) -> pd.DataFrame:
     rows = []
     for i, r in enumerate(report["rows"], 1):
@@ -45,14 +42,14 @@ def table(report: dict) -> pd.DataFrame:
                 r["drafter"],
                 r.get("family", ""),
                 r.get("tokenizer", ""),
-                _fmt(r.get("shared_pct_target"), ".1f"),
-                _fmt(r.get("alpha_ceiling"), ".0%"),
+                fmt(r.get("shared_pct_target"), ".1f", missing="-"),
+                fmt(r.get("alpha_ceiling"), ".0%", missing="-"),
                 alpha.get("tli", "-"),
                 alpha.get("slem", "-"),
                 alpha.get("standard", "-"),
-                _fmt(r.get("c"), ".2f"),
+                fmt(r.get("c"), ".2f", missing="-"),
                 f"{r['best_algorithm']} k={r['best_k']}" if r.get("best_algorithm") else "-",
-                _fmt(r["expected_speedup"], ".2f"),
+                fmt(r["expected_speedup"], ".2f", missing="-"),
                 sum(c.get("tokens", 0) for c in algos.values()) or "-",
                 r["note"],
             ]

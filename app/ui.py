@@ -21,7 +21,7 @@ import pandas as pd
 from usd import api, suggest
 from usd.algorithms import PLAIN
 from usd.chat import check_prompt
-from usd.errors import InternalError
+from usd.errors import Failed, InternalError
 from usd.loading import LoadError
 from usd.serve.slots import Slots
 from usd.settings import ALGORITHMS, DRAFT_TOKENS_MAX, MAX_NEW_TOKENS_MAX, GenerationSettings
@@ -146,7 +146,7 @@ def in_background(make_events, cancel: threading.Event, interval: float = UPDATE
             for event in make_events():
                 q.put(event)
         except Exception as e:  # handed to the consumer, which raises it in the request's own thread
-            q.put(_Failed(e))
+            q.put(Failed(e))
         finally:
             q.put(end)
 
@@ -156,7 +156,7 @@ def in_background(make_events, cancel: threading.Event, interval: float = UPDATE
     try:
         while True:
             batch = [q.get()]
-            while sent is not None and batch[-1] is not end and not isinstance(batch[-1], _Failed):
+            while sent is not None and batch[-1] is not end and not isinstance(batch[-1], Failed):
                 wait = sent + interval - time.monotonic()
                 if wait <= 0:
                     break
@@ -167,7 +167,7 @@ def in_background(make_events, cancel: threading.Event, interval: float = UPDATE
             while not q.empty():
                 batch.append(q.get_nowait())
             for item in batch:
-                if isinstance(item, _Failed):
+                if isinstance(item, Failed):
                     raise item.error
             events = [e for e in batch if e is not end]
             if events:
@@ -178,11 +178,6 @@ def in_background(make_events, cancel: threading.Event, interval: float = UPDATE
     finally:
         cancel.set()  # the consumer stopped (done, Stop, a closed tab): make sure the decode loop does too
         worker.join()
-
-
-class _Failed:
-    def __init__(self, error: Exception):
-        self.error = error
 
 
 @contextlib.contextmanager
@@ -418,7 +413,7 @@ class Handlers:
             stats = live.numbers()
             if live.finished is not None:  # the engine's own final stats, plus the live-only keys
                 stats.update(live.finished.stats.as_dict())
-            yield render.answer_text(live), render.piece_dicts(live.pieces), stats
+            yield render.answer_text(live), [p.as_dict() for p in live.pieces], stats
 
     @shown_to_user
     def compare(

@@ -342,3 +342,32 @@ def test_an_engine_bug_is_a_500_that_asks_for_a_report_and_bad_input_a_400():
     assert bug.status == 500 and bug.body()["error"]["code"] == "internal_error"
     assert bug.message == "internal error (a bug in the engine, please report it): candidate 0 (id 7) has q = 0"
     assert engine_error(ValueError("temperature must be a number")).status == 400
+
+
+def test_the_engine_stats_go_over_the_wire_and_come_back_whole():
+    """One codec: what usd serve writes as `speculative` is what the app reads back when it is that server's front
+    end (every Stats field the engine counts)."""
+    import dataclasses
+
+    from usd.events import Stats
+
+    stats = Stats(
+        algorithm="tli",
+        rounds=12,
+        drafted=30,
+        accepted=21,
+        tokens=40,
+        wall_s=1.5,
+        stop_reason="max_tokens",
+        c=0.3,
+        v=1.8,
+        mean_k=3.0,
+        rounds_by_algorithm={"none": 2, "tli": 10},
+        forward_s=1.2,
+        drafting_stopped="the drafter's context is full",
+        step_s=0.03,
+    )
+    counts = p.Counts()
+    counts.histogram = [1, 2, 3, 4]
+    back = p.stats_from_speculative(p.speculative_stats(stats, counts))
+    assert dataclasses.asdict(back) == dataclasses.asdict(stats)

@@ -7,3 +7,11 @@ from __future__ import annotations
 
 class InternalError(RuntimeError):
     """An invariant of the engine does not hold: a bug to report, never the user's input."""
+
+
+class Failed:
+    """An exception a worker thread hands to the thread that consumes its results, to be raised there (the app's
+    streaming handlers and the server's jobs run the decode loop on a thread of its own)."""
+
+    def __init__(self, error: BaseException):
+        self.error = error

@@ -22,6 +22,20 @@ class Piece:
     round: int
     drafter_ids: tuple[int, ...] = ()
 
+    def as_dict(self) -> dict:
+        """The wire form of a piece (the server's `pieces`, the app's API), which `from_dict` reads back."""
+        return {
+            "text": self.text,
+            "kind": self.kind,
+            "round": self.round,
+            "target_id": self.target_id,
+            "drafter_ids": list(self.drafter_ids),
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict) -> Piece:
+        return cls(d["text"], d["kind"], d.get("target_id"), d["round"], tuple(d.get("drafter_ids") or ()))
+
 
 @dataclass(frozen=True)
 class Bound:

@@ -558,6 +558,9 @@ def recording(pair, events: Iterator, greedy: bool) -> Iterator:
     rounds are added to the store (`record_acceptance`), once per generation."""
     from .events import Finished, Round
 
+    if not recording_on():
+        yield from events
+        return
     counts: dict[str, list[int]] = {}
     for event in events:
         if isinstance(event, Round) and event.drafted:

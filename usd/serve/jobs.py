@@ -9,6 +9,7 @@ import threading
 from typing import TYPE_CHECKING
 
 from usd import api, suggest
+from usd.errors import Failed
 from usd.events import Finished, Round
 from usd.settings import GenerationSettings
 
@@ -19,11 +20,6 @@ if TYPE_CHECKING:
 
 class ClientGone(Exception):
     """The client disconnected before its answer was complete; its generation has been cancelled."""
-
-
-class _Failed:
-    def __init__(self, error: BaseException):
-        self.error = error
 
 
 _END = object()
@@ -54,7 +50,7 @@ class Job:
             if ticket.wait(self.cancel):
                 self.service.wrap(self._generate)()
         except BaseException as e:  # handed to the request, which answers with it
-            self._put(_Failed(e))
+            self._put(Failed(e))
         finally:
             ticket.leave()
             self._put(_END)
@@ -101,7 +97,7 @@ class Job:
             if await request.is_disconnected():
                 self.stop()
                 raise ClientGone()
-        if isinstance(item, _Failed):
+        if isinstance(item, Failed):
             raise item.error
         if item is _END:
             raise RuntimeError("the generation ended without its final event")

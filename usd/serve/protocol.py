@@ -18,7 +18,7 @@ from openai.types.chat import ChatCompletion, ChatCompletionChunk
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from usd import chat
-from usd.events import Finished, Piece, Round, Stats
+from usd.events import Finished, Round, Stats
 from usd.settings import GenerationSettings, short_repr
 
 # --- errors ----------------------------------------------------------------------------------------------------------
@@ -337,14 +337,25 @@ def speculative_stats(stats: Stats, counts: Counts) -> dict:
     }
 
 
-def piece_dict(p: Piece) -> dict:
-    return {
-        "text": p.text,
-        "kind": p.kind,
-        "round": p.round,
-        "target_id": p.target_id,
-        "drafter_ids": list(p.drafter_ids),
-    }
+def stats_from_speculative(s: dict) -> Stats:
+    """The engine's Stats back from a response's `speculative` (what `speculative_stats` wrote): how the app reads
+    usd serve's numbers when it is that server's front end."""
+    return Stats(
+        algorithm=s.get("algorithm", "auto"),
+        rounds=s.get("rounds", 0),
+        drafted=s.get("num_draft_tokens", 0),
+        accepted=s.get("num_accepted_draft_tokens", 0),
+        tokens=s.get("tokens", 0),
+        wall_s=s.get("wall_s", 0.0),
+        stop_reason=s.get("stop_reason"),
+        c=s.get("c"),
+        v=s.get("v"),
+        mean_k=s.get("mean_k") or 0.0,
+        rounds_by_algorithm=s.get("rounds_by_algorithm") or {},
+        forward_s=s.get("forward_s") or 0.0,
+        drafting_stopped=s.get("drafting_stopped"),
+        step_s=s.get("step_s"),
+    )
 
 
 def finish_reason(stop_reason: str | None) -> str:

@@ -215,7 +215,7 @@ async def stream(
             sent += text
             if pieces:
                 extra = {
-                    "pieces": [p.piece_dict(x) for x in event.pieces],
+                    "pieces": [x.as_dict() for x in event.pieces],
                     "round": event.index,
                     "k": event.k,
                     "expected_speedup": event.expected_speedup,
