@@ -11,11 +11,14 @@ slope, as auto's cost model reads V(n).
 
 from __future__ import annotations
 
+import os
+import platform
 import time
 from pathlib import Path
 
 import torch
 
+from .runners import is_own_runner
 from .runners.transformers.cpu_kernels import busy, read_choices, write_choices
 from .schedule import speedup_bound
 from .vocab import ceiling_of
@@ -79,9 +82,21 @@ def measure(pair) -> dict:
     return {"step_s": step, "c": min(draft_steps) / step, "v": {str(n - 1): min(t) / step for n, t in verify.items()}}
 
 
-def machine_key(pair) -> str:
-    from .suggest import machine
+def machine(model) -> str:
+    """What the timings belong to: this host, its CPU count, the device, the weights and the runner of the model. A
+    model that is its own runner (the llama.cpp runner, precision gguf) runs its GGUF's own quantized weights and has
+    no torch parameters to ask."""
+    own_runner = is_own_runner(model)
+    if own_runner:
+        where, runner = f"{model.device.type}/gguf", type(model).__name__
+    else:
+        param = next(iter(model.parameters()), None)
+        where = f"{param.device.type}/{str(param.dtype).removeprefix('torch.')}" if param is not None else "?"
+        runner = "transformers"
+    return f"{platform.node()}/{platform.machine()}/{os.cpu_count()}cpu/{where}/{runner}"
 
+
+def machine_key(pair) -> str:
     return f"{machine(pair.target)}|threads={torch.get_num_threads()}|{pair.target_name}|{pair.drafter_name}"
 
 

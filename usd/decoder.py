@@ -58,6 +58,18 @@ class Randomness:
 
 
 @dataclass(frozen=True)
+class Rules:
+    """What stays the same over a generation's rounds: the pair, the sampling settings and where the random draws
+    come from, the ids that end the answer, and the drafter's confidence stop (0: none)."""
+
+    pair: Pair
+    params: SamplingParams
+    rng: Randomness
+    eos: set[int]
+    min_confidence: float
+
+
+@dataclass(frozen=True)
 class Verdict:
     """What a round's verification decided: the first `accepted` candidates stand, then the target's own `token`
     (`resampled` at the first rejection, `bonus` after a fully accepted draft, `target` when nothing was drafted)."""
@@ -67,29 +79,18 @@ class Verdict:
     kind: str
 
 
-def propose(
-    pair: Pair,
-    drafter,
-    mode: Algorithm,
-    k: int,
-    params: SamplingParams,
-    rng: Randomness,
-    eos: set[int],
-    min_confidence: float,
-) -> Draft:
-    proposes = mode.spec.proposes
+def propose(rules: Rules, drafter, mode: Algorithm, k: int) -> Draft:
+    proposes, r = mode.spec.proposes, rules
     if proposes is Proposal.NOTHING:
         return Draft()
     if proposes is Proposal.STRINGS:
-        return draft_strings(pair, drafter, k, eos, min_confidence)
-    return draft_tokens(pair, drafter, k, params, rng.drafter, eos, min_confidence)
+        return draft_strings(r.pair, drafter, k, r.eos, r.min_confidence)
+    return draft_tokens(r.pair, drafter, k, r.params, r.rng.drafter, r.eos, r.min_confidence)
 
 
-def accept(
-    logits: torch.Tensor, draft: Draft, mode: Algorithm, params: SamplingParams, rng: Randomness, position: int
-) -> Verdict:
+def accept(logits: torch.Tensor, draft: Draft, mode: Algorithm, rules: Rules, position: int) -> Verdict:
     """The algorithm's acceptance rule on the target's logits at each candidate and one past the last."""
-    candidates = draft.candidates
+    candidates, params, rng = draft.candidates, rules.params, rules.rng
     if params.greedy:
         accepted, token, kind = greedy_match(logits.argmax(-1).tolist(), candidates)
     else:
@@ -108,29 +109,19 @@ class RoundTimes:
 
 
 def speculative_round(
-    pair: Pair,
-    target,
-    drafter,
-    mode: Algorithm,
-    k: int,
-    params: SamplingParams,
-    rng: Randomness,
-    eos: set[int],
-    min_confidence: float,
-    position: int,
-    target_room: int,
+    rules: Rules, target, drafter, mode: Algorithm, k: int, position: int, target_room: int
 ) -> tuple[Draft, Verdict, RoundTimes]:
     """One round, as in the paper: the drafter proposes up to k candidates, the target scores all of them in one
     forward, the acceptance rule keeps a prefix and adds one token of the target's own; the target's cache is cut
     back to what stands. (Plain decoding: no candidates, so this is one plain target step.)"""
     t0 = time.perf_counter()
-    draft = propose(pair, drafter, mode, k, params, rng, eos, min_confidence).fitted(target_room)
+    draft = propose(rules, drafter, mode, k).fitted(target_room)
     t1 = time.perf_counter()
     n_before = len(target.ids)
     target.ids.extend(draft.candidates)
     logits = target.forward(keep=len(draft.candidates) + 1)
     t2 = time.perf_counter()
-    verdict = accept(logits, draft, mode, params, rng, position)
+    verdict = accept(logits, draft, mode, rules, position)
     target.truncate(n_before + verdict.accepted)
     target.ids.append(verdict.token)
     return draft, verdict, RoundTimes(t1 - t0, t2 - t1)
@@ -285,7 +276,7 @@ class Generation:
         seeded = not params.greedy and params.seed is not None
         self.schedule = Schedule(pair, algorithm, k, probe_first, seeded_sampling=seeded)
         base_seed = params.seed if params.seed is not None else secrets.randbits(63)
-        self.rng = Randomness(make_generator(params.seed, DRAFTER_STREAM), base_seed)
+        rng = Randomness(make_generator(params.seed, DRAFTER_STREAM), base_seed)
         self.tally = Tally(algorithm)
         self.target = pair.target_runner.new_context(prompt_ids)
         self.prompt_len = len(prompt_ids)
@@ -293,6 +284,7 @@ class Generation:
         if not algorithm.plain:
             self.drafter = DrafterState(pair, drafter_prompt_ids if drafter_prompt_ids is not None else prompt_ids)
         self.answer = Answer(pair, max_new_tokens, stop_strings)
+        self.rules = Rules(pair, params, rng, self.answer.eos, self.schedule.min_confidence)
         _prefill(self.target)
 
     def finish(self) -> None:
@@ -326,17 +318,7 @@ class Generation:
         t0 = time.perf_counter()
         drafter_ctx = self.drafter.ctx if self.drafter is not None else None
         draft, verdict, times = speculative_round(
-            self.pair,
-            self.target,
-            drafter_ctx,
-            mode,
-            k,
-            self.params,
-            self.rng,
-            self.answer.eos,
-            self.schedule.min_confidence,
-            len(self.answer.ids),
-            target_room,
+            self.rules, self.target, drafter_ctx, mode, k, len(self.answer.ids), target_room
         )
         pieces = self.answer.commit(draft, verdict, self.tally.rounds)
         if self.drafter is not None and self.drafter.ready and self.answer.stop_reason is None:

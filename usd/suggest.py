@@ -32,7 +32,6 @@ import contextlib
 import hashlib
 import json
 import os
-import platform
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -44,10 +43,10 @@ import torch
 
 from . import theory
 from .algorithms import DRAFTING, Algorithm, Proposal
-from .costs import timed_forward
+from .costs import machine, timed_forward
 from .datasets import Prompt
 from .drafters import target_proposal
-from .runners import Runner, runner_for
+from .runners import runner_for
 from .schedule import K_MAX, tested_positions
 
 if TYPE_CHECKING:
@@ -571,20 +570,6 @@ def recording(pair, events: Iterator, greedy: bool) -> Iterator:
             for algo, (a, d) in counts.items():
                 record_acceptance(pair.target_name, pair.drafter_name, algo, a, d, sampled=not greedy)
         yield event
-
-
-def machine(model) -> str:
-    """What the timings belong to: this host, its CPU count, the device, the weights and the runner of the model. A
-    model that is its own runner (the llama.cpp runner, precision gguf) runs its GGUF's own quantized weights and has
-    no torch parameters to ask."""
-    own_runner = isinstance(model, Runner)
-    if own_runner:
-        where, runner = f"{model.device.type}/gguf", type(model).__name__
-    else:
-        param = next(iter(model.parameters()), None)
-        where = f"{param.device.type}/{str(param.dtype).removeprefix('torch.')}" if param is not None else "?"
-        runner = "transformers"
-    return f"{platform.node()}/{platform.machine()}/{os.cpu_count()}cpu/{where}/{runner}"
 
 
 def prompt_set(spec: str, limit: int | None = None) -> tuple[str, list[Prompt]]:

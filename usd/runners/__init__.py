@@ -35,10 +35,16 @@ class Runner(Protocol):
     def new_context(self, ids: list[int]) -> DecodingContext: ...
 
 
+def is_own_runner(model) -> bool:
+    """Whether the model opens its own decoding contexts (the llama.cpp runner's `LlamaCppModel`). Asked of its
+    class, so that a model is not probed at all (a stand-in that fails on any attribute stays untouched)."""
+    return callable(getattr(type(model), "new_context", None))
+
+
 def runner_for(model) -> Runner:
     """The runner of a model given without one (tests, scripts, a Pair built by hand): a model that is its own runner
     (the llama.cpp runner's `LlamaCppModel`), else transformers' own decoding steps."""
-    if callable(getattr(type(model), "new_context", None)):  # asked of the class: a model is not probed at all
+    if is_own_runner(model):
         return model
     from .transformers import TransformersRunner
 

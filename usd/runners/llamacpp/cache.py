@@ -4,7 +4,7 @@ where ids reach llama.cpp's C buffers (`_decode`), each call checked first."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import numpy as np
 
@@ -12,11 +12,15 @@ from ...errors import InternalError
 from .binding import last_errors
 from .kernels import N_BATCH, ROW, Batching, Kernel
 
-if TYPE_CHECKING:
-    from .context import LlamaCppContext
-
 N_OUTPUTS = 32
 """Rows of logits one llama_decode call may return (llama.cpp keeps a buffer of this many rows of the vocabulary)."""
+
+
+class CacheUser(Protocol):
+    """What a cache follows: a decoding context's ids, and the cache it last used (`context.LlamaCppContext`)."""
+
+    ids: list[int]
+    cache: LlamaCache | None
 
 
 class LlamaCache:
@@ -34,8 +38,8 @@ class LlamaCache:
         self.kv: list[int] = []
         """The ids whose keys and values the cache holds, at positions 0..len-1."""
         self.kv_kernels: list[Kernel] = []
-        """What computed each cached position (see `LlamaCppContext.kernels`)."""
-        self.owner: LlamaCppContext | None = None
+        """What computed each cached position (see `context.LlamaCppContext.kernels`)."""
+        self.owner: CacheUser | None = None
         """The decoding context whose ids the cache follows; another one first keeps only what they share."""
         self.busy = False
         """A forward is using it (`pool.CachePool.borrow`)."""

@@ -9,17 +9,18 @@ import torch
 
 from ..kept import KeptLogits
 from .cache import LlamaCache, common_prefix
-from .kernels import Kernel
+from .kernels import Batching, Kernel
 
 if TYPE_CHECKING:
-    from .model import LlamaCppModel
+    from .pool import CachePool
 
 
 class LlamaCppContext:
-    def __init__(self, model: LlamaCppModel, ids: list[int]):
-        self.model = model
+    def __init__(self, batching: Batching, pool: CachePool, ids: list[int]):
+        self.batching, self.pool = batching, pool
+        """The model's exactness rule and its caches (`model.LlamaCppModel`)."""
         self.ids = list(ids)
-        self.kernels: list[Kernel] = model.batching.kernels([], len(self.ids), 1)
+        self.kernels: list[Kernel] = batching.kernels([], len(self.ids), 1)
         """What computes each of the first len(kernels) ids (`kernels.Batching.kernels`): the prompt's decided here,
         from the prompt alone; ids added later get theirs at their first forward."""
         self.cache: LlamaCache | None = None
@@ -33,9 +34,9 @@ class LlamaCppContext:
     def truncate(self, n: int) -> None:
         del self.ids[n:]
         self.last.drop_from(n)
-        self.kernels = self.model.batching.whole_runs(self.kernels[:n])
+        self.kernels = self.batching.whole_runs(self.kernels[:n])
         self.cached = min(self.cached, len(self.kernels))
-        self.model.pool.release_rows(self, self.cached)
+        self.pool.release_rows(self, self.cached)
 
     def _claim(self, cache: LlamaCache) -> None:
         """Own `cache`, keeping what it holds of our ids computed by our kernels."""
@@ -52,12 +53,12 @@ class LlamaCppContext:
         The first of them may be the last position fed, kept (`KeptLogits`): a prompt's last position, which only its
         whole prompt batch computes again."""
         t0 = time.perf_counter()
-        with self.model.pool.borrow(self) as cache:  # llama.cpp contexts are not thread-safe: one user each at a time
+        with self.pool.borrow(self) as cache:  # llama.cpp contexts are not thread-safe: one user each at a time
             self._claim(cache)
             held, n_out = self.last.take(len(self.ids), max(keep or len(self.ids) - self.cached, 1))
             if not n_out:
                 return self.last.joined(held, None, len(self.ids))
-            batching = self.model.batching
+            batching = self.batching
             self.kernels = batching.kernels(self.kernels, len(self.ids), n_out)
             # Logits are only had by feeding: when the cache already holds positions asked for (the last one, again;
             # or positions another context fed, sharing the model), they are fed again (same kernels, same bits).

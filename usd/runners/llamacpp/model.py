@@ -97,7 +97,7 @@ class LlamaCppModel:
         return f"LlamaCppModel({self.path.name}, n_ctx={self.n_ctx}, n_vocab={self.n_vocab}, threads={self.n_threads})"
 
     def new_context(self, ids: list[int]) -> LlamaCppContext:
-        return LlamaCppContext(self, ids)
+        return LlamaCppContext(self.batching, self.pool, ids)
 
     def close(self) -> None:
         self._finalizer()

@@ -8,12 +8,8 @@ from __future__ import annotations
 import contextlib
 import threading
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING
 
-from .cache import LlamaCache, common_prefix
-
-if TYPE_CHECKING:
-    from .context import LlamaCppContext
+from .cache import CacheUser, LlamaCache, common_prefix
 
 MAX_CACHES = 4
 """The most llama.cpp contexts (KV caches, n_ctx positions each) a model opens for generations running at once."""
@@ -30,7 +26,7 @@ class CachePool:
         """Guards which generation uses which cache; a cache's user decodes without it."""
 
     @contextlib.contextmanager
-    def borrow(self, user: LlamaCppContext) -> Iterator[LlamaCache]:
+    def borrow(self, user: CacheUser) -> Iterator[LlamaCache]:
         """A cache for `user`'s forward, for it alone (`_pick`). Generations at once share the cores (llama.cpp's bits
         do not depend on the thread count: tests/test_llamacpp.py)."""
         with self.lock:
@@ -45,7 +41,7 @@ class CachePool:
                 cache.busy = False
                 self.lock.notify_all()
 
-    def _pick(self, user: LlamaCppContext) -> LlamaCache | None:
+    def _pick(self, user: CacheUser) -> LlamaCache | None:
         """`user`'s own cache if free; a new one if none is free and there is room; else the free one that costs
         least: what it lacks of `user`'s ids, plus what it holds that they do not share (another conversation's
         positions, which it would have to re-feed). None: wait."""
@@ -61,7 +57,7 @@ class CachePool:
                 self.max_caches = len(self.caches)
         return max(free, key=lambda c: 2 * common_prefix(user.ids, c.kv, len(c.kv)) - len(c.kv), default=None)
 
-    def release_rows(self, user: LlamaCppContext, n: int) -> None:
+    def release_rows(self, user: CacheUser, n: int) -> None:
         """Drop what `user`'s cache holds past n positions now, if the cache is still its own and free (else it is
         done at the next forward that claims the cache)."""
         with self.lock:
