@@ -8,12 +8,13 @@ import os
 import sys
 from pathlib import Path
 
+from usd.catalog import add_pair_arguments
+from usd.serve.main import API_KEY_ENV
 from usd.settings import PRECISIONS
 
 CSS_PATH = Path(__file__).resolve().parent / "app.css"
 """The app's style sheet, inside the package, so that an installed app has it too."""
 
-API_KEY_ENV = "USD_API_KEY"
 CACHE_CHECK_S = 3600
 """How often, and past what age, Gradio deletes the files it cached (it has no reason to keep any here)."""
 
@@ -99,8 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--port", type=int, default=int(os.environ.get("GRADIO_SERVER_PORT", 7860)))
     parser.add_argument("--share", action="store_true", help="make a public Gradio link (off by default)")
-    parser.add_argument("--target", help="target model (catalog name, local path or hub id); default: the catalog's")
-    parser.add_argument("--drafter", help="drafter model; default: the catalog's")
+    add_pair_arguments(parser)
     parser.add_argument("--device", choices=["cpu", "cuda"], help="default: cuda when available")
     parser.add_argument("--precision", choices=PRECISIONS, help="default: the catalog's choice for the device")
     parser.add_argument(

@@ -312,3 +312,11 @@ def load_catalog(path: str | os.PathLike | None = None, user_path: str | os.Path
         "pairs": list(data.get("pairs") or []) + list(extra.get("pairs") or []),
     }
     return parse_catalog(combined, f"{base_path} + {user}")
+
+
+def add_pair_arguments(parser, drafter: bool = True) -> None:
+    """--target and --drafter, as every command that loads a pair takes them (usd's commands and the app)."""
+    spec = "catalog name, local directory or hub id (default: the catalog's default {})"
+    parser.add_argument("--target", help=spec.format("target"))
+    if drafter:
+        parser.add_argument("--drafter", help=spec.format("drafter"))

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from . import chat
 from .algorithms import Algorithm
-from .catalog import CatalogError, load_catalog
+from .catalog import CatalogError, add_pair_arguments, load_catalog
 from .loading import LoadError, check_local_dir, choose_precision, default_device, entry_for, plan_load
 from .settings import (
     ALGORITHMS,
@@ -354,8 +354,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_overlap)
 
     p = sub.add_parser("generate", help="generate with speculative decoding; the answer is exactly the target's")
-    p.add_argument("--target", help="catalog name, local directory or hub id (default: the catalog's default)")
-    p.add_argument("--drafter", help="catalog name, local directory or hub id (default: the catalog's default)")
+    add_pair_arguments(p)
     # the settings stay text here: GenerationSettings reads and checks them, with the app's ranges and messages
     p.add_argument("--algorithm", metavar=f"{{{','.join(ALGORITHMS)}}}", help="default: auto (picks per round)")
     p.add_argument(

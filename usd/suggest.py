@@ -43,6 +43,7 @@ import torch
 
 from . import theory
 from .algorithms import DRAFTING, Algorithm, Proposal
+from .catalog import add_pair_arguments
 from .costs import machine, timed_forward
 from .datasets import Prompt
 from .drafters import target_proposal
@@ -734,7 +735,7 @@ def loader(
 def add_arguments(p) -> None:
     from .settings import PRECISIONS
 
-    p.add_argument("--target", help="catalog name, local directory or hub id (default: the catalog's default)")
+    add_pair_arguments(p, drafter=False)
     who = p.add_mutually_exclusive_group()
     who.add_argument(
         "--drafters", metavar="NAME,...", help="drafters to rank (default: the catalog's drafters on this machine)"

@@ -23,7 +23,7 @@ import torch
 
 from .. import chat, decoder, settings, suggest
 from ..algorithms import PLAIN, Algorithm
-from ..catalog import Precision
+from ..catalog import Precision, add_pair_arguments
 from ..datasets import Prompt, load_prompts
 from ..events import Finished
 from ..pair import Pair
@@ -371,8 +371,7 @@ def bench(
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--target", help="default: the catalog's default target")
-    p.add_argument("--drafter", help="default: the catalog's default drafter")
+    add_pair_arguments(p)
     p.add_argument("--dataset", default="humaneval", help="humaneval, mtbench, or a JSONL file (prompt or messages)")
     p.add_argument("--limit", type=int, default=20, help="how many prompts (default 20)")
     p.add_argument(

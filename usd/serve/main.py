@@ -6,6 +6,7 @@ import argparse
 import os
 import sys
 
+from usd.catalog import add_pair_arguments
 from usd.settings import PRECISIONS
 
 API_KEY_ENV = "USD_API_KEY"
@@ -24,8 +25,7 @@ def _not_negative(value: str) -> int:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--target", help="catalog name, local directory or hub id (default: the catalog's default)")
-    p.add_argument("--drafter", help="catalog name, local directory or hub id (default: the catalog's default)")
+    add_pair_arguments(p)
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=int, default=8000, help="default 8000")
     p.add_argument(
