@@ -69,19 +69,20 @@ class InputError(ValueError):
     """A setting the user can fix; shown as is."""
 
 
-def settings(algorithm, draft_tokens, temperature, top_p, top_k, seed, max_new_tokens) -> GenerationSettings:
+KNOBS = ("algorithm", "draft_tokens", "temperature", "top_p", "top_k", "seed", "max_new_tokens")
+"""The settings the UI shows, in the order of its widgets (`settings_panel`) and of its handlers' parameters."""
+
+
+def knobs_of(values: dict) -> tuple:
+    """The settings among a handler's parameters (its `locals()`), in KNOBS' order."""
+    return tuple(values[name] for name in KNOBS)
+
+
+def settings(*knobs) -> GenerationSettings:
     """Check the UI's (or an API caller's) settings, which may be any text or JSON; a problem becomes InputError
     with the settings model's message, which says what to change."""
     try:
-        return GenerationSettings(
-            algorithm=algorithm,
-            draft_tokens=draft_tokens,
-            temperature=temperature,
-            top_p=top_p,
-            top_k=top_k,
-            seed=seed,
-            max_new_tokens=max_new_tokens,
-        )
+        return GenerationSettings(**dict(zip(KNOBS, knobs, strict=True)))
     except ValueError as e:
         raise InputError(str(e)) from None
 
@@ -335,7 +336,7 @@ class Handlers:
         request: gr.Request,
     ):
         history = list(history or [])
-        prompt, s = self.checked(message, (algorithm, draft_tokens, temperature, top_p, top_k, seed, max_new_tokens))
+        prompt, s = self.checked(message, knobs_of(locals()))
         messages = [{"role": m["role"], "content": _text(m["content"]).removesuffix(STOPPED)} for m in history]
         messages.append({"role": "user", "content": prompt})
         session = request.session_hash if request else "api"
@@ -379,7 +380,7 @@ class Handlers:
 
     @shown_to_user
     def compare_ui(self, prompt, algorithm, draft_tokens, temperature, top_p, top_k, seed, max_new_tokens):
-        prompt, s = self.checked(prompt, (algorithm, draft_tokens, temperature, top_p, top_k, seed, max_new_tokens))
+        prompt, s = self.checked(prompt, knobs_of(locals()))
         plain_tokens, spec_tokens = render.TokenFeed(), render.TokenFeed()
         for plain, spec, summary in self.compare_stream(prompt, s):
             yield (
@@ -407,8 +408,7 @@ class Handlers:
         """Chat with the loaded pair (or the named one): streams (text, pieces, stats) as it goes, a few updates a
         second (the rounds in between merged). `pieces` is a list of {text, kind, round}; `stats` holds
         acceptance_rate, tokens_per_round, tokens_per_s, wall_s and more. Empty target/drafter: the loaded pair."""
-        knobs = (algorithm, draft_tokens, temperature, top_p, top_k, seed, max_new_tokens)
-        prompt, s = self.checked(prompt, knobs, target, drafter)
+        prompt, s = self.checked(prompt, knobs_of(locals()), target, drafter)
         for live in self.run(s, prompt, chat_mode=True):
             stats = live.numbers()
             if live.finished is not None:  # the engine's own final stats, plus the live-only keys
@@ -433,8 +433,7 @@ class Handlers:
         speculative_text, summary): the texts so far with an empty summary, and last the final texts with the summary
         (identical, plain_s, speculative_s, speedup). It streams so that a cancel stops it within a round (Gradio
         closes a cancelled generator; a plain function would run both halves to the end)."""
-        knobs = (algorithm, draft_tokens, temperature, top_p, top_k, seed, max_new_tokens)
-        prompt, s = self.checked(prompt, knobs, target, drafter)
+        prompt, s = self.checked(prompt, knobs_of(locals()), target, drafter)
         for plain, spec, summary in self.compare_stream(prompt, s):
             yield render.answer_text(plain), render.answer_text(spec) if spec else "", summary or {}
 
