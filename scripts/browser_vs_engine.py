@@ -68,7 +68,8 @@ def start_app(port: int, args, log_path: Path) -> subprocess.Popen:
         command = [
             sys.executable,
             "-c",
-            f"import sys, usd.llamacpp as l; l.cpu_threads = lambda: {args.app_threads}; from app.__main__ import "
+            f"import sys, usd.runners.llamacpp.model as m; m.cpu_threads = lambda: {args.app_threads}; "
+            f"from app.__main__ import "
             f"main; sys.exit(main(sys.argv[1:]))",
             "--port",
             str(port),
@@ -314,6 +315,7 @@ def main() -> int:
     ap.add_argument("--py-spy", help="path to py-spy: sample the app during each browser answer")
     ap.add_argument("--profile-dir", default="/tmp/usd-browser-profile")
     ap.add_argument("--json", help="write every measurement here")
+    ap.add_argument("--screenshot", help="save the page here after each speculative answer (README's picture)")
     ap.add_argument("--worker-engine", metavar="ALGORITHM", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker_engine:
@@ -339,6 +341,8 @@ def main() -> int:
                 order = args.algorithms if i % 2 == 0 else args.algorithms[::-1]
                 for algorithm in order:
                     b = browser_answer(page, app, algorithm, args, f"{algorithm}-{i}")
+                    if args.screenshot and algorithm != "none":  # the last speculative answer, as README shows it
+                        page.page.screenshot(path=args.screenshot)
                     e = engine(algorithm, args.prompt, args.tokens, args)
                     w = engine_on_a_thread(algorithm, args.prompt, args.tokens, args)
                     results["runs"][algorithm].append({"browser": b, "engine": e, "thread": w})
