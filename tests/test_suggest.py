@@ -53,12 +53,12 @@ def test_replay_counts_equal_the_decode_loops_on_tiny_pairs(tiny_tokenizers, kin
     t_model, d_model = tiny_pair(t_tok, d_tok, seed=0)
     target, drafter = Model("t", t_model, t_tok), Model("d", d_model, d_tok)
     refs = suggest.references(target, PROMPTS, 24)
-    drafted = 0
+    drafted, eos = 0, usd.Pair(t_model, t_tok).eos_ids()
     for ref in refs:
         for algorithm in ("tli", "slem"):
             got = suggest.replay(target, drafter, ref, algorithm)
             accepted, n, ids = generate_counts(target, drafter, ref.prompt, algorithm, 24)
-            assert ids == [t for t in ref.answer if t not in usd.Pair(t_model, t_tok).eos_ids()]
+            assert ids == [t for t in ref.answer if t not in eos]
             assert (got.accepted, got.drafted) == (accepted, n), (ref.prompt.id, algorithm)
             drafted += n
     assert drafted > 0
@@ -276,12 +276,13 @@ def test_replay_acceptance_equals_generate_draft_tokens_1_on_the_real_pair(real_
     prompts = [*suggest.PROMPT_SETS["code"][:2], suggest.PROMPT_SETS["chat"][0]]
     refs = suggest.references(target, prompts, 32)
     totals = {"tli": [0, 0, 0, 0], "slem": [0, 0, 0, 0]}
+    eos = usd.Pair(target.model, target.tokenizer).eos_ids()  # once: a Pair reads its tokenizer's whole vocabulary
     for ref in refs:
         for algorithm in ("tli", "slem"):
             got = suggest.replay(target, drafter, ref, algorithm)
             accepted, drafted, ids = generate_counts(target, drafter, ref.prompt, algorithm, 32)
             print(ref.prompt.id, algorithm, (got.accepted, got.drafted), (accepted, drafted), flush=True)
-            assert ids == [t for t in ref.answer if t not in usd.Pair(target.model, target.tokenizer).eos_ids()]
+            assert ids == [t for t in ref.answer if t not in eos]
             assert (got.accepted, got.drafted) == (accepted, drafted), (ref.prompt.id, algorithm)
             totals[algorithm] = [
                 x + y for x, y in zip(totals[algorithm], (got.accepted, got.drafted, accepted, drafted), strict=True)
