@@ -9,8 +9,10 @@ by their literal string, and only when both sides have that string.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
+import weakref
 from dataclasses import dataclass, field
 from functools import lru_cache
 
@@ -91,7 +93,27 @@ class TokenizerBytes:
     size: int = 0
 
 
+_KNOWN: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+"""tokenizer -> its TokenizerBytes: reading a real vocabulary takes a second or more, and every Pair around the same
+tokenizer (a loaded model's, tests', usd suggest's) asks for it."""
+
+
 def tokenizer_bytes(tokenizer) -> TokenizerBytes:
+    """What each token of `tokenizer` produces, read once per tokenizer (again when its tokens or its end of
+    sequence changed). The result is shared: read it, never change it."""
+    try:
+        known = _KNOWN.get(tokenizer)
+    except TypeError:  # a tokenizer that cannot be weakly referenced or hashed: read it each time
+        known = None
+    if known is not None and known.size == len(tokenizer) and known.eos_ids == _eos_of(tokenizer):
+        return known
+    read = _read_tokenizer_bytes(tokenizer)
+    with contextlib.suppress(TypeError):
+        _KNOWN[tokenizer] = read
+    return read
+
+
+def _read_tokenizer_bytes(tokenizer) -> TokenizerBytes:
     kind = tokenizer_kind(tokenizer)
     added = {i: t.content for i, t in getattr(tokenizer, "added_tokens_decoder", {}).items()}
     bytes_of: dict[int, bytes] = {}
@@ -104,9 +126,12 @@ def tokenizer_bytes(tokenizer) -> TokenizerBytes:
             specials[i] = piece
         else:
             bytes_of[i] = b
+    return TokenizerBytes(kind, bytes_of, specials, _eos_of(tokenizer), size=len(tokenizer))
+
+
+def _eos_of(tokenizer) -> set[int]:
     eos = tokenizer.eos_token_id
-    eos_ids = set(eos if isinstance(eos, list) else [eos]) - {None}
-    return TokenizerBytes(kind, bytes_of, specials, eos_ids, size=len(tokenizer))
+    return set(eos if isinstance(eos, list) else [eos]) - {None}
 
 
 @dataclass
