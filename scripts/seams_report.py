@@ -96,7 +96,7 @@ def cycles(graph: dict[str, set[str]]) -> list[tuple[str, str]]:
             if m not in reach[start]:
                 reach[start].add(m)
                 stack.extend(graph.get(m, ()))
-    return sorted({tuple(sorted((a, b))) for a in graph for b in reach[a] if a in reach.get(b, ())})
+    return sorted({tuple(sorted((a, b))) for a in graph for b in reach[a] if a != b and a in reach.get(b, ())})
 
 
 def main() -> int:
