@@ -263,13 +263,14 @@ class Generation:
         pair: Pair,
         prompt_ids,
         drafter_prompt_ids,
-        algorithm: Algorithm,
+        algorithm: Algorithm | str,
         k,
         params: SamplingParams,
         max_new_tokens: int,
         stop_strings: tuple[str, ...],
         probe_first: bool,
     ):
+        algorithm = Algorithm(algorithm)  # a name given: its member (an unknown one fails here, loudly)
         self.pair, self.params = pair, params
         # With a seed, auto only uses modes whose answer the seed fixes (plain and slem, see position_generator), so
         # "same seed, same text" holds for regenerate, for --samples, and between the compare view's two columns.
