@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import socket
 import subprocess
 import sys
 import threading
@@ -15,6 +14,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from tiny_serving import free_port, serving
 
 import usd
 from usd import chat
@@ -24,28 +24,6 @@ ROOT = Path(__file__).resolve().parent.parent
 KEY = "test-key"
 ASK = [{"role": "user", "content": "Write a Python function that returns the square of a number."}]
 N = 8
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@contextlib.contextmanager
-def serving(app):
-    import uvicorn
-
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=free_port(), log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    while not server.started:
-        time.sleep(0.05)
-    try:
-        yield f"http://127.0.0.1:{server.config.port}/v1"
-    finally:
-        server.should_exit = True
-        thread.join(30)
 
 
 @pytest.fixture(scope="module")
@@ -58,8 +36,8 @@ def server(pair):
     from usd.serve import FixedPair, Slots, create_app
 
     service = FixedPair(pair, slots=Slots(concurrency=2, max_queue=16), api_key=KEY)
-    with serving(create_app(service)) as url:
-        yield url, service
+    with serving(create_app(service)) as root:
+        yield f"{root}/v1", service
 
 
 @pytest.fixture(scope="module")
