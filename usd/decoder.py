@@ -271,7 +271,7 @@ class Generation:
         probe_first: bool,
     ):
         algorithm = Algorithm(algorithm)  # a name given: its member (an unknown one fails here, loudly)
-        self.pair, self.params = pair, params
+        self.pair = pair
         # With a seed, auto only uses modes whose answer the seed fixes (plain and slem, see position_generator), so
         # "same seed, same text" holds for regenerate, for --samples, and between the compare view's two columns.
         seeded = not params.greedy and params.seed is not None
