@@ -150,18 +150,9 @@ class Live:
                 "unreported": (),
             }
         out = {
-            "tokens_per_s": s.tokens_per_s,
+            **s.as_dict(),  # the engine's numbers, as every consumer reads them; then what only the panel shows
             "acceptance_rate": s.acceptance_rate if s.drafted else None,
-            "tokens_per_round": s.tokens_per_round,
             "k": self.k,
-            "mean_k": s.mean_k,
-            "c": s.c,
-            "v": s.v,
-            "theoretical_speedup": s.theoretical_speedup,
-            "tokens": s.tokens,
-            "rounds": s.rounds,
-            "wall_s": s.wall_s,
-            "stop_reason": s.stop_reason,
             "measured_speedup": None,
             "speedup_basis": None,
             "expected_speedup": self.expected_speedup,

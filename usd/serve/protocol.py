@@ -304,36 +304,28 @@ class Counts:
             self.histogram[n] += 1
 
 
+IN_VLLM_NAMES = {"drafted": "num_draft_tokens", "accepted": "num_accepted_draft_tokens"}
+"""Stats fields the response says in vLLM's names (`speculative_stats`)."""
+NOT_SENT = ("acceptance_rate", "overhead_share")
+"""Stats fields the response leaves out: draft_acceptance_rate says the first, and the second is the app's."""
+
+
 def speculative_stats(stats: Stats, counts: Counts) -> dict:
     """The engine's numbers for the response. Where vLLM reports the same quantity per request (its experimental
     `metrics.speculative_decoding`), its name is used: num_spec_steps, num_draft_tokens, num_accepted_draft_tokens,
-    draft_acceptance_rate, mean_acceptance_length, acceptance_histogram. The rest are the engine's own (Stats)."""
+    draft_acceptance_rate, mean_acceptance_length, acceptance_histogram. The rest are the engine's own
+    (`Stats.as_dict`)."""
     steps = sum(counts.histogram)
     measured = stats.plain_step_speedup  # against plain steps inside this answer, as the app estimates
+    own = {k: v for k, v in stats.as_dict().items() if k not in NOT_SENT}
     return {
-        "algorithm": stats.algorithm,
-        "rounds": stats.rounds,
+        **{IN_VLLM_NAMES.get(k, k): v for k, v in own.items()},
         "num_spec_steps": steps,
-        "num_draft_tokens": stats.drafted,
-        "num_accepted_draft_tokens": stats.accepted,
         "draft_acceptance_rate": stats.acceptance_rate if stats.drafted else None,
         "mean_acceptance_length": 1 + stats.accepted / steps if steps else None,
         "acceptance_histogram": list(counts.histogram),
-        "tokens": stats.tokens,
-        "tokens_per_round": stats.tokens_per_round,
-        "tokens_per_s": stats.tokens_per_s,
-        "wall_s": stats.wall_s,
-        "mean_k": stats.mean_k,
-        "c": stats.c,
-        "v": stats.v,
-        "step_s": stats.step_s,
-        "forward_s": stats.forward_s,
-        "theoretical_speedup": stats.theoretical_speedup,
         "measured_speedup": measured,
         "speedup_basis": "estimated from this answer's plain steps" if measured is not None else None,
-        "rounds_by_algorithm": dict(stats.rounds_by_algorithm),
-        "stop_reason": stats.stop_reason,
-        "drafting_stopped": stats.drafting_stopped,
     }
 
 
