@@ -322,6 +322,36 @@ def _config_vocab(path) -> int | None:
     return cfg.get("vocab_size") or (cfg.get("text_config") or {}).get("vocab_size")
 
 
+def _generate_arguments(p: argparse.ArgumentParser) -> None:
+    add_pair_arguments(p)
+    # the settings stay text here: GenerationSettings reads and checks them, with the app's ranges and messages
+    p.add_argument("--algorithm", metavar=f"{{{','.join(ALGORITHMS)}}}", help="default: auto (picks per round)")
+    p.add_argument(
+        "--draft-tokens",
+        metavar="{K,auto}",
+        help=f"draft length per round, 1-{DRAFT_TOKENS_MAX}, or auto to adapt it (default)",
+    )
+    p.add_argument("--temperature", help=f"0 = greedy (default), up to {TEMPERATURE_MAX:g}")
+    p.add_argument("--top-p", help="above 0, at most 1 (default: 1, off)")
+    p.add_argument("--top-k", help="0 = off (default)")
+    p.add_argument("--seed", help="random seed for sampling (with --samples: the first of N)")
+    p.add_argument("--max-new-tokens", help=f"default: {DEFAULT_MAX_NEW_TOKENS}")
+    p.add_argument("--chat", action="store_true", help="send the prompt as one user message through chat templates")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", help="the prompt text")
+    src.add_argument("--prompt-file", metavar="F", help="read the prompt from a file")
+    src.add_argument("--messages-file", metavar="F", help="a JSON list of {role, content} messages (implies chat)")
+    p.add_argument("--samples", type=_at_least_one, metavar="N", help="N independent generations, seeds S..S+N-1")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
+    p.add_argument("--device", choices=["cpu", "cuda"], help="default: cuda when present")
+    p.add_argument(
+        "--precision",
+        choices=PRECISIONS,
+        help="override the catalog's precision for both models (gguf: the GGUF on llama.cpp)",
+    )
+    p.set_defaults(func=cmd_generate)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="usd", description="Universal speculative decoding: lossless, any pair.")
     parser.add_argument(
@@ -353,34 +383,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_overlap)
 
-    p = sub.add_parser("generate", help="generate with speculative decoding; the answer is exactly the target's")
-    add_pair_arguments(p)
-    # the settings stay text here: GenerationSettings reads and checks them, with the app's ranges and messages
-    p.add_argument("--algorithm", metavar=f"{{{','.join(ALGORITHMS)}}}", help="default: auto (picks per round)")
-    p.add_argument(
-        "--draft-tokens",
-        metavar="{K,auto}",
-        help=f"draft length per round, 1-{DRAFT_TOKENS_MAX}, or auto to adapt it (default)",
+    _generate_arguments(
+        sub.add_parser("generate", help="generate with speculative decoding; the answer is exactly the target's")
     )
-    p.add_argument("--temperature", help=f"0 = greedy (default), up to {TEMPERATURE_MAX:g}")
-    p.add_argument("--top-p", help="above 0, at most 1 (default: 1, off)")
-    p.add_argument("--top-k", help="0 = off (default)")
-    p.add_argument("--seed", help="random seed for sampling (with --samples: the first of N)")
-    p.add_argument("--max-new-tokens", help=f"default: {DEFAULT_MAX_NEW_TOKENS}")
-    p.add_argument("--chat", action="store_true", help="send the prompt as one user message through chat templates")
-    src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--prompt", help="the prompt text")
-    src.add_argument("--prompt-file", metavar="F", help="read the prompt from a file")
-    src.add_argument("--messages-file", metavar="F", help="a JSON list of {role, content} messages (implies chat)")
-    p.add_argument("--samples", type=_at_least_one, metavar="N", help="N independent generations, seeds S..S+N-1")
-    p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
-    p.add_argument("--device", choices=["cpu", "cuda"], help="default: cuda when present")
-    p.add_argument(
-        "--precision",
-        choices=PRECISIONS,
-        help="override the catalog's precision for both models (gguf: the GGUF on llama.cpp)",
-    )
-    p.set_defaults(func=cmd_generate)
 
     from .bench.run import add_arguments
 
