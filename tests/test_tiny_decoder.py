@@ -529,3 +529,74 @@ def test_the_stop_check_reads_only_the_tail_of_a_long_answer(pairs):
     pieces = answer.commit(draft, Verdict(accepted=6, token=word, kind="bonus"), round_index=0)
     assert len(pieces) == 7 and answer.stop_reason is None
     assert _CountingBytes.copies == 1, f"the answer was copied {_CountingBytes.copies} times in one round"
+
+
+# --- ngram: drafting without a drafter model (usd/ngram.py) --------------------------------------------------------
+
+
+def target_alone(pair) -> Pair:
+    """The pair's target with no drafter loaded: ngram needs none."""
+    return Pair(pair.target, pair.target_tokenizer, target_name="tiny-target")
+
+
+def echoing_prompt(pair) -> list[int]:
+    """PROMPT, the target's own greedy two tokens after it, then PROMPT again: at its end the lookup finds PROMPT's
+    earlier occurrence and proposes what followed it, which the target may or may not say again."""
+    ids = pair.target_tokenizer.encode(PROMPT)
+    with torch.no_grad():
+        out = pair.target.generate(torch.tensor([ids]), max_new_tokens=2, do_sample=False)[0, len(ids) :].tolist()
+    return ids + out + ids
+
+
+@pytest.mark.parametrize("prompt", [*PROMPTS, None], ids=[*map(str, range(len(PROMPTS))), "echo"])
+def test_ngram_equals_plain_greedy_without_a_drafter_model(pairs, prompt):
+    alone = target_alone(pairs["byte-level"])
+    ids = echoing_prompt(alone) if prompt is None else alone.target_tokenizer.encode(prompt)
+    *_, plain = stream(alone, ids, algorithm="none", max_new_tokens=MAX_NEW)
+    for k in (4, "auto"):
+        events = list(stream(alone, ids, algorithm="ngram", k=k, max_new_tokens=MAX_NEW, probe_first=False))
+        rounds, done = events[:-1], events[-1]
+        assert done.target_ids == plain.target_ids and done.text == plain.text, f"ngram k={k} on {prompt!r}"
+        assert all(r.algorithm in ("none", "ngram") for r in rounds)
+        assert_pieces_are_the_text(alone, rounds, done)
+        if prompt is None:
+            assert done.stats.drafted > 0 and done.stats.accepted > 0, "the echo must be looked up and kept"
+
+
+def sample_two_ngram(pair, ids, rule=None, seeds=range(N)) -> tuple[dict, float]:
+    counts, drafted, accepted = {}, 0, 0
+    for seed in seeds:
+        params = SamplingParams(**TOP4, seed=seed)
+        *_, done = stream(pair, ids, algorithm="ngram", k=2, params=params, max_new_tokens=2, probe_first=False)
+        counts[done.target_ids] = counts.get(done.target_ids, 0) + 1
+        drafted += done.stats.drafted
+        accepted += done.stats.accepted
+    return counts, accepted / max(1, drafted)
+
+
+def test_ngram_first_two_tokens_distributed_as_plain_sampling(sampling_pairs):
+    alone = target_alone(sampling_pairs["byte-level"])
+    ids = echoing_prompt(alone)
+    joint = exact_joint(alone.target, ids)
+    counts, alpha = sample_two_ngram(alone, ids)
+    assert 0.02 < alpha < 0.98, f"acceptance {alpha:.2f}: both the accept and the reject paths must run"
+    p = p_value(counts, joint)
+    assert p > ALPHA, f"ngram: p = {p:.1e}, observed {counts}"
+
+
+def test_ngram_accepting_its_lookup_unchecked_fails_the_distribution_test(sampling_pairs, monkeypatch):
+    """The power of the test above: a rule that keeps the looked-up first token whenever it is among the target's
+    top-k (instead of only when it is the target's own draw) over-produces it."""
+    real = usd.decoder.exact_match
+
+    def generous(p, candidates, gens):
+        if candidates and p[0, candidates[0]] > 0:
+            accepted, token, kind = real(p[1:], candidates[1:], gens[1:])
+            return accepted + 1, token, kind
+        return real(p, candidates, gens)
+
+    monkeypatch.setattr(usd.decoder, "exact_match", generous)
+    alone = target_alone(sampling_pairs["byte-level"])
+    ids = echoing_prompt(alone)
+    counts, _ = sample_two_ngram(alone, ids)
+    assert check_fails(counts, exact_joint(alone.target, ids)), "a broken acceptance rule passed the test"

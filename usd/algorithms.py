@@ -23,6 +23,9 @@ class Proposal(Enum):
     STRINGS = "strings"
     """The drafter writes text in its own vocabulary, which the target's tokenizer re-tokenizes; no q survives the
     re-tokenization (drafters.draft_strings)."""
+    LOOKUP = "lookup"
+    """No model: the ids that followed the latest earlier occurrence of the context's last few ids (usd/ngram.py), a
+    deterministic function of what is committed, so q is one-hot."""
 
 
 class Acceptance(Enum):
@@ -44,6 +47,8 @@ class Spec:
     accepts: Acceptance | None
     one_tokenizer: bool
     """Needs target and drafter to share one tokenizer."""
+    drafter_model: bool
+    """Drafts with the drafter model (and so needs one loaded)."""
     seed_stable: bool
     """A seed fixes its answer however rounds are cut: its every draw is tied to an answer position
     (sampling.position_generator), not to the order of a round's draws."""
@@ -54,6 +59,7 @@ class Algorithm(StrEnum):
     TLI = "tli"
     SLEM = "slem"
     STANDARD = "standard"
+    NGRAM = "ngram"
     NONE = "none"
 
     @property
@@ -72,18 +78,26 @@ class Algorithm(StrEnum):
 
     @property
     def needs_drafter(self) -> bool:
-        return not self.plain and not self.chooses
+        return self.spec.drafter_model
+
+    @property
+    def uses_drafter(self) -> bool:
+        """Drafts with the drafter model, or may (auto)."""
+        return self.spec.drafter_model or self.chooses
 
 
-_TOKENS, _STRINGS, _NOTHING = Proposal.TOKENS, Proposal.STRINGS, Proposal.NOTHING
+_TOKENS, _STRINGS, _LOOKUP, _NOTHING = Proposal.TOKENS, Proposal.STRINGS, Proposal.LOOKUP, Proposal.NOTHING
 _REJECT, _MATCH = Acceptance.REJECTION, Acceptance.EXACT_MATCH
 SPECS: dict[Algorithm, Spec] = {
-    # algorithm: Spec(label, proposes, accepts, one_tokenizer, seed_stable)
-    Algorithm.AUTO: Spec("auto: the fastest of the others, chosen per round", None, None, False, False),
-    Algorithm.TLI: Spec("token-level intersection (tli)", _TOKENS, _REJECT, False, False),
-    Algorithm.SLEM: Spec("string-level exact match (slem)", _STRINGS, _MATCH, False, True),
-    Algorithm.STANDARD: Spec("standard speculative decoding", _TOKENS, _REJECT, True, False),
-    Algorithm.NONE: Spec("plain decoding (the target alone)", _NOTHING, _MATCH, False, True),
+    # algorithm: Spec(label, proposes, accepts, one_tokenizer, drafter_model, seed_stable)
+    Algorithm.AUTO: Spec("auto: the fastest of the others, chosen per round", None, None, False, False, False),
+    Algorithm.TLI: Spec("token-level intersection (tli)", _TOKENS, _REJECT, False, True, False),
+    Algorithm.SLEM: Spec("string-level exact match (slem)", _STRINGS, _MATCH, False, True, True),
+    Algorithm.STANDARD: Spec("standard speculative decoding", _TOKENS, _REJECT, True, True, False),
+    Algorithm.NGRAM: Spec(
+        "n-gram lookup over the conversation (no drafter model)", _LOOKUP, _MATCH, False, False, True
+    ),
+    Algorithm.NONE: Spec("plain decoding (the target alone)", _NOTHING, _MATCH, False, False, True),
 }
 
 NAMES: tuple[str, ...] = tuple(Algorithm)

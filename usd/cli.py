@@ -216,7 +216,7 @@ def _check_models(args, algorithm: Algorithm, catalog) -> None:
     that lacks files, and 'standard' on tokenizers that differ. The drafter loads second, so its mistakes would
     otherwise show only after the target's whole load."""
     specs = [args.target or catalog.default.target]
-    if not algorithm.plain:
+    if algorithm.uses_drafter:
         specs.append(args.drafter or catalog.default.drafter)
     entries = [entry_for(spec, catalog) for spec in specs]
     for entry in entries:
@@ -254,7 +254,7 @@ def cmd_generate(args) -> int:
     _check_models(args, settings.algorithm, catalog)
     pair = api.load_pair(
         args.target,
-        args.drafter if not settings.algorithm.plain else False,
+        args.drafter if settings.algorithm.uses_drafter else False,
         catalog=catalog,
         device=args.device,
         precision=args.precision,

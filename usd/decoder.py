@@ -18,8 +18,9 @@ import numpy as np
 import torch
 
 from .algorithms import PLAIN, Acceptance, Algorithm, Proposal, runnable
-from .drafters import Draft, draft_strings, draft_tokens, sync_drafter
+from .drafters import Draft, draft_lookup, draft_strings, draft_tokens, sync_drafter
 from .events import Finished, Piece, Round, Stats
+from .ngram import NgramIndex
 from .pair import Pair, bytes_of, model_context_length
 from .record import RoundRecord
 from .sampling import DRAFTER_STREAM, SamplingParams, make_generator, position_generator, probabilities
@@ -79,10 +80,13 @@ class Verdict:
     kind: str
 
 
-def propose(rules: Rules, drafter, mode: Algorithm, k: int) -> Draft:
+def propose(rules: Rules, drafter, mode: Algorithm, k: int, lookup: NgramIndex | None = None) -> Draft:
     proposes, r = mode.spec.proposes, rules
     if proposes is Proposal.NOTHING:
         return Draft()
+    if proposes is Proposal.LOOKUP:
+        assert lookup is not None  # a generation that looks up keeps the index (Generation)
+        return draft_lookup(lookup, k, r.eos)
     if proposes is Proposal.STRINGS:
         return draft_strings(r.pair, drafter, k, r.eos, r.min_confidence)
     return draft_tokens(r.pair, drafter, k, r.params, r.rng.drafter, r.eos, r.min_confidence)
@@ -109,13 +113,13 @@ class RoundTimes:
 
 
 def speculative_round(
-    rules: Rules, target, drafter, mode: Algorithm, k: int, position: int, target_room: int
+    rules: Rules, target, drafter, mode: Algorithm, k: int, position: int, target_room: int, lookup=None
 ) -> tuple[Draft, Verdict, RoundTimes]:
     """One round, as in the paper: the drafter proposes up to k candidates, the target scores all of them in one
     forward, the acceptance rule keeps a prefix and adds one token of the target's own; the target's cache is cut
     back to what stands. (Plain decoding: no candidates, so this is one plain target step.)"""
     t0 = time.perf_counter()
-    draft = propose(rules, drafter, mode, k).fitted(target_room)
+    draft = propose(rules, drafter, mode, k, lookup).fitted(target_room)
     t1 = time.perf_counter()
     n_before = len(target.ids)
     target.ids.extend(draft.candidates)
@@ -281,8 +285,10 @@ class Generation:
         self.tally = Tally(algorithm)
         self.target = pair.target_runner.new_context(prompt_ids)
         self.prompt_len = len(prompt_ids)
+        self.lookup = NgramIndex(prompt_ids) if algorithm.spec.proposes is Proposal.LOOKUP else None
+        """The committed target ids, indexed for n-gram lookup (the ngram algorithm)."""
         self.drafter = None
-        if not algorithm.plain:
+        if algorithm.uses_drafter:
             self.drafter = DrafterState(pair, drafter_prompt_ids if drafter_prompt_ids is not None else prompt_ids)
         self.answer = Answer(pair, max_new_tokens, stop_strings)
         self.rules = Rules(pair, params, rng, self.answer.eos, self.schedule.min_confidence)
@@ -305,11 +311,12 @@ class Generation:
         """(mode, k, the target's room) for the next round: the schedule's choice, fitted to both contexts."""
         mode, k = self.schedule.next()
         target_room = _room(self.pair.context_length, len(self.target.ids))  # the verify positions must fit too
-        if not mode.plain:
-            assert self.drafter is not None  # the schedule drafts only when the algorithm is not plain decoding
-            k = min(k, target_room, self.drafter.room(self.answer))
-            if k < 1:
-                mode, k = PLAIN, 0
+        if mode.needs_drafter:
+            assert self.drafter is not None  # the schedule drafts with the model only when the algorithm does
+            k = min(k, self.drafter.room(self.answer))
+        k = min(k, target_room)
+        if k < 1:
+            mode, k = PLAIN, 0
         return mode, k, target_room
 
     def step(self) -> Round:
@@ -319,9 +326,12 @@ class Generation:
         t0 = time.perf_counter()
         drafter_ctx = self.drafter.ctx if self.drafter is not None else None
         draft, verdict, times = speculative_round(
-            self.rules, self.target, drafter_ctx, mode, k, len(self.answer.ids), target_room
+            self.rules, self.target, drafter_ctx, mode, k, len(self.answer.ids), target_room, self.lookup
         )
+        committed = len(self.answer.ids)
         pieces = self.answer.commit(draft, verdict, self.tally.rounds)
+        if self.lookup is not None:
+            self.lookup.extend(self.answer.ids[committed:])
         if self.drafter is not None and self.drafter.ready and self.answer.stop_reason is None:
             self.drafter.follow(self.answer)
         record = self._record(mode, k, draft, verdict, times, time.perf_counter() - t0)

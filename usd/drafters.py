@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .ngram import NgramIndex
 from .pair import Pair, bytes_of
 from .runners import DecodingContext
 from .sampling import SamplingParams, probabilities, sample
@@ -73,6 +74,17 @@ def target_proposal(q_shared: torch.Tensor, t_ids: torch.Tensor, vocab_t: int) -
     several drafter ids may spell one target token (a piece and its byte-fallback spelling), and their mass adds up.
     Taking one spelling's alone would bias the output (docs/design.md §5, tli)."""
     return torch.zeros(vocab_t).index_add_(0, t_ids, q_shared)
+
+
+def draft_lookup(index: NgramIndex, k: int, eos: set[int]) -> Draft:
+    """ngram: up to k ids that followed the latest earlier occurrence of the answer's last few (usd/ngram.py), cut
+    after an end of sequence (nothing is drafted past the end). No model runs, so no drafter ids and no steps; the
+    proposal is deterministic, q one-hot, so exact match verifies it."""
+    found = index.lookup(k)
+    candidates = list(found.candidates) if found is not None else []
+    end = next((i + 1 for i, t in enumerate(candidates) if t in eos), len(candidates))
+    candidates = candidates[:end]
+    return Draft(candidates, [], [() for _ in candidates], 0)
 
 
 def draft_strings(pair: Pair, drafter: DecodingContext, k: int, eos: set[int], min_confidence: float = 0.0) -> Draft:
