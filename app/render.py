@@ -31,7 +31,10 @@ def piece_title(piece: Piece) -> str:
     ids = f"target id {piece.target_id}" if piece.target_id is not None else "no target id"
     if piece.drafter_ids:
         ids += f", drafter ids {', '.join(map(str, piece.drafter_ids))}"
-    return f"round {piece.round} · {piece.kind} · {ids}"
+    source = f" · drafted by {piece.source}" if piece.source else ""
+    if piece.copied_from is not None:
+        source += f", copied from position {piece.copied_from}"
+    return f"round {piece.round} · {piece.kind}{source} · {ids}"
 
 
 def piece_span(piece: Piece) -> str:
@@ -41,8 +44,9 @@ def piece_span(piece: Piece) -> str:
     # The token view keeps white space (CSS pre-wrap); a token that is only spaces gets a class that shades it, so
     # it can still be seen and hovered.
     blank = " tok-blank" if piece.text and not piece.text.strip() else ""
+    looked_up = " tok-lookup" if piece.copied_from is not None else ""  # drafted by no model: a mark of its own
     return (
-        f'<{tag} class="tok tok-{piece.kind}{blank}" data-kind="{piece.kind}" data-round="{piece.round}" '
+        f'<{tag} class="tok tok-{piece.kind}{blank}{looked_up}" data-kind="{piece.kind}" data-round="{piece.round}" '
         f'title="{html.escape(piece_title(piece), quote=True)}">{html.escape(piece.text)}</{tag}>'
     )
 

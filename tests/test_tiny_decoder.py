@@ -600,3 +600,25 @@ def test_ngram_accepting_its_lookup_unchecked_fails_the_distribution_test(sampli
     ids = echoing_prompt(alone)
     counts, _ = sample_two_ngram(alone, ids)
     assert check_fails(counts, exact_joint(alone.target, ids)), "a broken acceptance rule passed the test"
+
+
+def test_every_drafted_piece_says_what_drafted_it_and_ngram_pieces_where_they_were_copied_from(pairs):
+    """Provenance: an ngram piece names the lookup and the position of the token it copied (the same token, there in
+    the prompt and answer); a tli piece names tli and no position; the target's own tokens name nothing. The token
+    view marks lookups apart and says so on hover, and the wire form keeps both."""
+    from app.render import piece_span, piece_title
+    from usd.events import Piece
+
+    alone = target_alone(pairs["byte-level"])
+    ids = echoing_prompt(alone)
+    rounds = list(stream(alone, ids, algorithm="ngram", k=4, max_new_tokens=MAX_NEW, probe_first=False))[:-1]
+    context = list(ids) + [p.target_id for r in rounds for p in r.emitted]
+    drafted = [p for r in rounds for p in r.pieces if p.kind in ("accepted", "rejected")]
+    assert drafted and all(p.source == "ngram" and context[p.copied_from] == p.target_id for p in drafted)
+    assert all(not p.source and p.copied_from is None for r in rounds for p in r.pieces if p not in drafted)
+    assert "tok-lookup" in piece_span(drafted[0]) and "copied from position" in piece_title(drafted[0])
+    assert Piece.from_dict(drafted[0].as_dict()) == drafted[0]
+    pair = pairs["byte-level"]
+    tli = [p for r in run(pair, PROMPTS[0], algorithm="tli", k=4, max_new_tokens=MAX_NEW)[0] for p in r.pieces]
+    assert any(p.source == "tli" for p in tli) and all(p.copied_from is None for p in tli)
+    assert all(p.source == "tli" for p in tli if p.kind in ("accepted", "rejected"))

@@ -148,7 +148,7 @@ class Answer:
         self.piece_text = piece_decoder()  # a piece shows the characters it completes; a split one waits for its rest
         self.stop_reason: str | None = None
 
-    def commit(self, draft: Draft, verdict: Verdict, round_index: int) -> list[Piece]:
+    def commit(self, draft: Draft, verdict: Verdict, round_index: int, source: str = "") -> list[Piece]:
         """Append what the round emitted, up to a stop; return its pieces: accepted, rejected, then the target's."""
         emitted = draft.candidates[: verdict.accepted] + [verdict.token]
         pieces, new_bytes = [], b""
@@ -158,14 +158,16 @@ class Answer:
                 break
             new_bytes += bytes_of(self.tb, t)
             kind = "accepted" if j < verdict.accepted else verdict.kind
-            dids = draft.drafter_ids[j] if j < verdict.accepted else ()
+            drafted = j < verdict.accepted
             pieces.append(
                 Piece(
                     text=self.piece_text.decode(bytes_of(self.tb, t)),
                     kind=kind,
                     target_id=t,
                     round=round_index,
-                    drafter_ids=dids,
+                    drafter_ids=draft.drafter_ids[j] if drafted else (),
+                    source=source if drafted else "",
+                    copied_from=_copied(draft, j) if drafted else None,
                 )
             )
             if self._ends_with_stop_string(new_bytes):
@@ -177,9 +179,9 @@ class Answer:
         self.ids.extend(emitted[: len(pieces)])  # each piece is the emitted token of the same index
         self.committed += new_bytes
         kept = min(verdict.accepted, len(pieces))
-        return pieces[:kept] + self._rejected(draft, verdict, round_index) + pieces[kept:]
+        return pieces[:kept] + self._rejected(draft, verdict, round_index, source) + pieces[kept:]
 
-    def _rejected(self, draft: Draft, verdict: Verdict, round_index: int) -> list[Piece]:
+    def _rejected(self, draft: Draft, verdict: Verdict, round_index: int, source: str) -> list[Piece]:
         return [
             Piece(
                 text=bytes_of(self.tb, t).decode("utf-8", "replace"),
@@ -187,6 +189,8 @@ class Answer:
                 target_id=t,
                 round=round_index,
                 drafter_ids=draft.drafter_ids[j],
+                source=source,
+                copied_from=_copied(draft, j),
             )
             for j, t in enumerate(draft.candidates)
             if j >= verdict.accepted
@@ -200,6 +204,10 @@ class Answer:
             return False
         tail = (self.committed[-self.stop_reach :] + new).decode("utf-8", "replace")
         return any(s in tail for s in self.stop_strings)
+
+
+def _copied(draft: Draft, j: int) -> int | None:
+    return None if draft.copied_from is None else draft.copied_from + j
 
 
 # --- the loop --------------------------------------------------------------------------------------------------------
@@ -329,7 +337,7 @@ class Generation:
             self.rules, self.target, drafter_ctx, mode, k, len(self.answer.ids), target_room, self.lookup
         )
         committed = len(self.answer.ids)
-        pieces = self.answer.commit(draft, verdict, self.tally.rounds)
+        pieces = self.answer.commit(draft, verdict, self.tally.rounds, mode.value if draft.candidates else "")
         if self.lookup is not None:
             self.lookup.extend(self.answer.ids[committed:])
         if self.drafter is not None and self.drafter.ready and self.answer.stop_reason is None:

@@ -29,13 +29,15 @@ class Draft:
     """Per candidate, the drafter ids behind it (empty for SLEM, whose candidates come from re-tokenized text)."""
     steps: int = 0
     """Drafter forwards spent."""
+    copied_from: int | None = None
+    """A lookup's draft: the position its first candidate was copied from (the others follow it)."""
 
     def fitted(self, room: int) -> Draft:
         """At most `room` candidates: slem's re-tokenized text can hold more target tokens than the drafter wrote,
         and the target must not be fed past its context."""
         if len(self.candidates) <= room:
             return self
-        return Draft(self.candidates[:room], self.q[:room], self.drafter_ids[:room], self.steps)
+        return Draft(self.candidates[:room], self.q[:room], self.drafter_ids[:room], self.steps, self.copied_from)
 
 
 def _confidence(logits: torch.Tensor) -> float:
@@ -81,10 +83,11 @@ def draft_lookup(index: NgramIndex, k: int, eos: set[int]) -> Draft:
     after an end of sequence (nothing is drafted past the end). No model runs, so no drafter ids and no steps; the
     proposal is deterministic, q one-hot, so exact match verifies it."""
     found = index.lookup(k)
-    candidates = list(found.candidates) if found is not None else []
-    end = next((i + 1 for i, t in enumerate(candidates) if t in eos), len(candidates))
-    candidates = candidates[:end]
-    return Draft(candidates, [], [() for _ in candidates], 0)
+    if found is None:
+        return Draft()
+    end = next((i + 1 for i, t in enumerate(found.candidates) if t in eos), len(found.candidates))
+    candidates = found.candidates[:end]
+    return Draft(candidates, [], [() for _ in candidates], 0, found.source)
 
 
 def draft_strings(pair: Pair, drafter: DecodingContext, k: int, eos: set[int], min_confidence: float = 0.0) -> Draft:

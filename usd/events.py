@@ -21,6 +21,11 @@ class Piece:
     target_id: int | None
     round: int
     drafter_ids: tuple[int, ...] = ()
+    source: str = ""
+    """What drafted it (the algorithm: "ngram" for the lookup, else the drafter model's tli, slem or standard); empty
+    for the target's own tokens."""
+    copied_from: int | None = None
+    """An ngram piece's origin: the position in the target's ids (prompt and answer) it was copied from."""
 
     def as_dict(self) -> dict:
         """The wire form of a piece (the server's `pieces`, the app's API), which `from_dict` reads back."""
@@ -30,11 +35,16 @@ class Piece:
             "round": self.round,
             "target_id": self.target_id,
             "drafter_ids": list(self.drafter_ids),
+            "source": self.source,
+            "copied_from": self.copied_from,
         }
 
     @classmethod
     def from_dict(cls, d: dict) -> Piece:
-        return cls(d["text"], d["kind"], d.get("target_id"), d["round"], tuple(d.get("drafter_ids") or ()))
+        ids = tuple(d.get("drafter_ids") or ())
+        return cls(
+            d["text"], d["kind"], d.get("target_id"), d["round"], ids, d.get("source") or "", d.get("copied_from")
+        )
 
 
 @dataclass(frozen=True)
