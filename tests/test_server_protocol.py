@@ -363,6 +363,8 @@ def test_the_engine_stats_go_over_the_wire_and_come_back_whole():
         v=1.8,
         mean_k=3.0,
         rounds_by_algorithm={"none": 2, "tli": 10},
+        drafted_by_algorithm={"tli": 30},
+        accepted_by_algorithm={"tli": 21},
         forward_s=1.2,
         drafting_stopped="the drafter's context is full",
         step_s=0.03,

@@ -124,6 +124,10 @@ class Stats:
     """Mean draft length over the rounds that drafted."""
     rounds_by_algorithm: dict = field(default_factory=dict)
     """How many rounds each algorithm ran (plain steps count as none)."""
+    drafted_by_algorithm: dict = field(default_factory=dict)
+    """Candidates each drafting algorithm proposed (its source: ngram's lookup, or the drafter model's algorithm)."""
+    accepted_by_algorithm: dict = field(default_factory=dict)
+    """Of those, how many the target kept."""
     forward_s: float = 0.0
     """Seconds inside model forwards (target and drafter, prefill included); the rest of wall_s is overhead."""
     drafting_stopped: str | None = None
@@ -190,6 +194,8 @@ class Stats:
             "mean_k": self.mean_k,
             "theoretical_speedup": self.theoretical_speedup,
             "rounds_by_algorithm": dict(self.rounds_by_algorithm),
+            "drafted_by_algorithm": dict(self.drafted_by_algorithm),
+            "accepted_by_algorithm": dict(self.accepted_by_algorithm),
             "forward_s": self.forward_s,
             "overhead_share": self.overhead_share,
             "drafting_stopped": self.drafting_stopped,

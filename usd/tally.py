@@ -19,6 +19,8 @@ class Tally:
         self.started = time.perf_counter()
         self.rounds = self.drafted = self.accepted = self.drafting_rounds = 0
         self.by_algorithm: dict[str, int] = {}
+        self.drafted_by: dict[str, int] = {}
+        self.accepted_by: dict[str, int] = {}
         self.step_s: list[float] = []
         """Plain target steps: the unit of c and v."""
         self.verify_s: list[float] = []
@@ -29,7 +31,11 @@ class Tally:
         self.drafted += r.drafted
         self.accepted += r.accepted
         self.drafting_rounds += r.drafted > 0
-        self.by_algorithm[r.algorithm.value] = self.by_algorithm.get(r.algorithm.value, 0) + 1
+        name = r.algorithm.value
+        self.by_algorithm[name] = self.by_algorithm.get(name, 0) + 1
+        if r.drafted:
+            self.drafted_by[name] = self.drafted_by.get(name, 0) + r.drafted
+            self.accepted_by[name] = self.accepted_by.get(name, 0) + r.accepted
         if r.full_forward:
             (self.verify_s if r.drafted else self.step_s).append(r.verify_s)
         if r.draft_steps:
@@ -51,6 +57,8 @@ class Tally:
             v=v,
             mean_k=self.drafted / self.drafting_rounds if self.drafting_rounds else 0.0,
             rounds_by_algorithm=dict(self.by_algorithm),
+            drafted_by_algorithm=dict(self.drafted_by),
+            accepted_by_algorithm=dict(self.accepted_by),
             forward_s=forward_s,
             drafting_stopped=drafting_stopped,
             step_s=step,

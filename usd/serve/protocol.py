@@ -344,6 +344,8 @@ def stats_from_speculative(s: dict) -> Stats:
         v=s.get("v"),
         mean_k=s.get("mean_k") or 0.0,
         rounds_by_algorithm=s.get("rounds_by_algorithm") or {},
+        drafted_by_algorithm=s.get("drafted_by_algorithm") or {},
+        accepted_by_algorithm=s.get("accepted_by_algorithm") or {},
         forward_s=s.get("forward_s") or 0.0,
         drafting_stopped=s.get("drafting_stopped"),
         step_s=s.get("step_s"),
