@@ -50,3 +50,18 @@ def test_the_index_finds_what_a_scan_finds_as_ids_are_appended(seed):
 def test_sizes_are_checked():
     with pytest.raises(ValueError, match="1 <= min <= max"):
         NgramIndex(n_min=3, n_max=2)
+
+
+def test_the_edits_set_pastes_each_solution_with_an_edit_in_turn():
+    from usd.datasets import EDITS, edit_prompts
+
+    rows = [
+        {"task_id": f"HumanEval/{i}", "prompt": f"def f{i}(x):\n", "canonical_solution": "    return x\n"}
+        for i in range(5)
+    ]
+    prompts = edit_prompts(rows)
+    assert [p.id for p in prompts] == [f"edits/HumanEval/{i}" for i in range(5)]
+    for i, p in enumerate(prompts):
+        (message,) = p.messages
+        assert message["role"] == "user" and f"```python\ndef f{i}(x):\n    return x\n```" in message["content"]
+        assert EDITS[i % len(EDITS)] in message["content"]

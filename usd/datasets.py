@@ -71,11 +71,39 @@ def _jsonl(text: str, origin: str) -> list[dict]:
     return rows
 
 
+EDITS = (
+    "Add type hints to every parameter and to the return value.",
+    "Rename the function to `solve` and keep everything else as it is.",
+    "Replace the docstring with a one-line summary.",
+    "Add a comment above each line of the body that says what it does.",
+)
+"""The `edits` set's instructions, in turn: each asks for the pasted function again, changed a little, so most of the
+answer is a copy of the prompt (where n-gram lookup drafts for free)."""
+
+
+def _humaneval_rows() -> list[dict]:
+    return _jsonl(gzip.decompress(_registry_file("humaneval")).decode("utf-8"), "humaneval")
+
+
+def edit_prompts(rows: list[dict]) -> list[Prompt]:
+    """Code editing: HumanEval's functions with their canonical solutions, pasted into a chat with an edit to make
+    (`EDITS`). Built from the pinned HumanEval wheel, so the set needs no file of its own and is the same everywhere."""
+    out = []
+    for i, r in enumerate(rows):
+        code = r["prompt"] + r["canonical_solution"]
+        edit = EDITS[i % len(EDITS)]
+        ask = f"Here is a Python function:\n\n```python\n{code}```\n\n{edit} Reply with the whole function."
+        out.append(Prompt(f"edits/{r['task_id']}", messages=({"role": "user", "content": ask},)))
+    return out
+
+
 def load_prompts(dataset: str, limit: int | None = None) -> list[Prompt]:
-    """`humaneval`, `mtbench`, or a path to a JSONL file whose rows have `prompt` (text) or `messages`."""
+    """`humaneval`, `mtbench`, `edits` (HumanEval's solutions to change: `edit_prompts`), or a path to a JSONL file
+    whose rows have `prompt` (text) or `messages`."""
     if dataset == "humaneval":
-        rows = _jsonl(gzip.decompress(_registry_file(dataset)).decode("utf-8"), dataset)
-        out = [Prompt(r["task_id"], prompt=r["prompt"]) for r in rows]
+        out = [Prompt(r["task_id"], prompt=r["prompt"]) for r in _humaneval_rows()]
+    elif dataset == "edits":
+        out = edit_prompts(_humaneval_rows())
     elif dataset == "mtbench":
         rows = _jsonl(_registry_file(dataset).decode("utf-8"), dataset)
         out = [
@@ -84,7 +112,7 @@ def load_prompts(dataset: str, limit: int | None = None) -> list[Prompt]:
     else:
         path = Path(dataset)
         if not path.is_file():
-            raise ValueError(f"dataset {dataset!r} is neither humaneval, mtbench nor a JSONL file that exists")
+            raise ValueError(f"dataset {dataset!r} is neither humaneval, mtbench, edits nor a JSONL file that exists")
         out = []
         for n, r in enumerate(_jsonl(path.read_text(encoding="utf-8"), str(path)), 1):
             if isinstance(r.get("prompt"), str):

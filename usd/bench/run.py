@@ -372,7 +372,11 @@ def bench(
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_pair_arguments(p)
-    p.add_argument("--dataset", default="humaneval", help="humaneval, mtbench, or a JSONL file (prompt or messages)")
+    p.add_argument(
+        "--dataset",
+        default="humaneval",
+        help="humaneval, mtbench, edits (HumanEval's solutions to change), or a JSONL file (prompt or messages)",
+    )
     p.add_argument("--limit", type=int, default=20, help="how many prompts (default 20)")
     p.add_argument(
         "--algorithms",
