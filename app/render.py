@@ -186,12 +186,16 @@ def auto_choice(event: Round) -> str:
         return f"{event.algorithm} k={event.k}{expected}"
     if event.bound is not None:
         b = event.bound
-        return (
-            f"plain decoding from the first round: speculation cannot pay on this machine. Even if every drafted "
-            f"token were accepted, the best draft length (k={b.k}) would run at {b.speedup:.2f}x the target alone: "
+        text = (
+            f"plain decoding: the drafter model cannot pay on this machine. Even if every drafted token were "
+            f"accepted, the best draft length (k={b.k}) would run at {b.speedup:.2f}x the target alone: "
             f"(k+1) / (k·c + v(k)) = {b.k + 1} / ({b.k}·{b.c:.2f} + {b.v:.2f}), with the drafter's step c = {b.c:.2f} "
             f"of the target's and a verify of {b.k + 1} tokens v({b.k}) = {b.v:.2f} steps, measured at load"
         )
+        if event.declined is not None:  # what is left to weigh: a lookup, which drafts for free
+            algorithm, k, speedup = event.declined
+            text += f"; {algorithm} k={k}, drafting without the model, is expected at {speedup:.2f}x this round"
+        return text
     if event.declined is None:
         return "plain decoding (still measuring)"
     algorithm, k, speedup = event.declined

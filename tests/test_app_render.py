@@ -516,7 +516,7 @@ def test_when_nothing_can_pay_the_stats_say_so_from_the_first_round_with_the_bou
     live = render.Live("auto")
     live.add(first)
     text = render.stats_html(live.numbers(), "auto")
-    assert "plain decoding from the first round: speculation cannot pay on this machine" in text
+    assert "plain decoding: the drafter model cannot pay on this machine" in text
     assert "0.97x" in text and "3 / (2·0.28 + 2.45)" in text and "c = 0.28" in text and "v(2) = 2.45" in text
 
 

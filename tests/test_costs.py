@@ -1,6 +1,6 @@
 """c and v(k) measured at load (usd/costs.py) on tiny random models: measured once and cached per machine, measured
-again while the machine is busy, and read by auto, which then decodes plainly from the first round where no draft
-length can pay (its rounds say so) and never opens the drafter."""
+again while the machine is busy, and read by auto, which then never drafts with the model from the first round where
+no draft length of it can pay (its rounds say so) and never opens the drafter."""
 
 from __future__ import annotations
 
@@ -63,7 +63,8 @@ def test_the_tli_ceiling_is_looked_up_only_where_full_acceptance_could_pay(pair,
     assert 0 < ceiling <= 1
 
 
-def test_auto_decodes_plainly_from_the_first_round_where_nothing_can_pay_and_says_why(pair):
+def test_auto_never_drafts_with_the_model_where_it_cannot_pay_and_says_why_from_the_first_round(pair):
+    """Only the lookup, whose draft costs nothing, may still speculate there (where the answer repeats the prompt)."""
     c, v = 0.3, {"1": 1.8, "2": 2.5, "4": 4.1}
     pair.memory.clear()
     pair.memory["costs"] = {"step_s": 0.03, "c": c, "v": v}
@@ -75,8 +76,10 @@ def test_auto_decodes_plainly_from_the_first_round_where_nothing_can_pay_and_say
     finally:
         hook.remove()
     rounds, done = events[:-1], events[-1]
-    assert isinstance(done, Finished) and done.stats.drafted == 0
-    assert {r.algorithm for r in rounds} == {"none"}
+    assert isinstance(done, Finished) and set(done.stats.drafted_by_algorithm) <= {"ngram"}
+    assert {r.algorithm for r in rounds} <= {"none", "ngram"}
     k, bound = speedup_bound(c, {int(x): y for x, y in v.items()})
-    assert all(r.bound is not None and (r.bound.k, r.bound.speedup) == (k, bound) for r in rounds)
+    assert all(
+        r.bound is not None and (r.bound.k, r.bound.speedup) == (k, bound) for r in rounds if r.algorithm == "none"
+    )
     assert not drafter_calls, "the drafter was run (its prompt prefilled) although auto never drafts"

@@ -118,3 +118,18 @@ def test_plain_sampling_through_the_loop_matches_too(pairs):
     joint = exact_joint(pair.target, ids, SamplingParams(temperature=1.0, top_k=4))
     counts, _ = run(pair, ids, dids, "none")
     assert_matches(counts, joint)
+
+
+def test_auto_mixing_the_lookup_and_the_drafter_models_algorithms_matches_too(pairs, auto_switching):
+    """auto switching at random among plain decoding, tli, slem and ngram on a prompt that echoes itself (PROMPT,
+    the target's greedy two tokens, PROMPT again: the lookup finds what followed PROMPT the first time), unseeded."""
+    pair, ids, _ = pairs["qwen+smol"]
+    with torch.no_grad():
+        greedy = pair.target.generate(torch.tensor([ids]), max_new_tokens=2, do_sample=False)[0, len(ids) :].tolist()
+    echo = ids + greedy + ids
+    dids = pair.drafter_tokenizer.encode(pair.target_tokenizer.decode(echo))
+    joint = exact_joint(pair.target, echo, SamplingParams(temperature=1.0, top_k=4))
+    counts, alpha = run(pair, echo, dids, "auto", 3)
+    assert 0.02 < alpha < 0.98, f"acceptance {alpha:.2f}: the test must exercise both accept and reject paths"
+    assert_matches(counts, joint)
+    assert {"none", "tli", "slem", "ngram"} <= set(pair.memory["schedule"]["modes"])

@@ -82,7 +82,7 @@ def test_a_position_has_the_same_logits_alone_and_in_a_batch(gguf, name, prompt)
 # --- greedy identity -------------------------------------------------------------------------------------------------
 
 
-def _identity(pair, prompt=None, messages=None, algorithms=(("tli", 4), ("slem", 4), ("auto", "auto"))):
+def _identity(pair, prompt=None, messages=None, algorithms=(("tli", 4), ("slem", 4), ("ngram", 4), ("auto", "auto"))):
     kw = {"messages": messages} if messages else {"prompt": prompt}
     ref = api.generate(pair, algorithm="none", max_new_tokens=MAX_NEW, **kw)
     for algorithm, k in algorithms:
@@ -99,7 +99,7 @@ def _identity(pair, prompt=None, messages=None, algorithms=(("tli", 4), ("slem",
 def test_every_algorithm_equals_plain_greedy_on_llama_cpp(gguf, prompt):
     pair = pair_of(gguf[QWEN], gguf[SMOL])
     more = (("tli", 1), ("slem", 8)) if prompt == PROMPTS[0] else ()
-    _identity(pair, prompt, algorithms=(("tli", 4), ("slem", 4), ("auto", "auto"), *more))
+    _identity(pair, prompt, algorithms=(("tli", 4), ("slem", 4), ("ngram", 4), ("auto", "auto"), *more))
 
 
 @pytest.mark.parametrize("question", CHATS, ids=range(len(CHATS)))
@@ -154,26 +154,46 @@ def test_mixed_runners_equal_plain_greedy(gguf, fp32, mix):
 N = 600
 
 
+@pytest.mark.parametrize("algorithm", ["tli", "ngram"])
 @pytest.mark.real_models
 @needs_llama
-def test_first_two_tokens_distributed_as_plain_sampling_on_llama_cpp(gguf, monkeypatch):
+def test_first_two_tokens_distributed_as_plain_sampling_on_llama_cpp(gguf, monkeypatch, algorithm):
     """As tests/test_decoder_distribution.py, on the real GGUF pair: the exact joint of the first two tokens (T=1,
-    top-k 4) from the target's own logits, against N speculative generations (tli, k=3)."""
+    top-k 4) from the target's own logits, against N speculative generations (k=3): tli, and ngram on the target
+    alone after a prompt that echoes itself (the prompt, its greedy two tokens, the prompt again)."""
     pair = pair_of(gguf[QWEN], gguf[SMOL])
     prompt = "def add(a, b):\n    return"
     ids, dids = pair.target_tokenizer.encode(prompt), pair.drafter_tokenizer.encode(prompt)
+    if algorithm == "ngram":
+        pair = Pair(pair.target, pair.target_tokenizer, context_length=pair.context_length)
+        *_, greedy = stream(pair, ids, algorithm="none", max_new_tokens=2)
+        ids, dids = ids + list(greedy.target_ids) + ids, None
     target = pair.target
     eos = frozenset(pair.eos_ids())
     joint = reference.exact_joint(lambda p: _next_logits(target, p)[-1].numpy(), ids, eos, temperature=1.0, top_k=4)
     counts, drafted, accepted = {}, 0, 0
     for seed in range(N):
         p = SamplingParams(temperature=1.0, top_k=4, seed=seed)
-        *_, ev = stream(pair, ids, dids, algorithm="tli", k=3, params=p, max_new_tokens=2, probe_first=False)
+        *_, ev = stream(pair, ids, dids, algorithm=algorithm, k=3, params=p, max_new_tokens=2, probe_first=False)
         counts[tuple(ev.target_ids)] = counts.get(tuple(ev.target_ids), 0) + 1
         drafted, accepted = drafted + ev.stats.drafted, accepted + ev.stats.accepted
     assert 0.02 < accepted / drafted < 0.98, "the test must exercise both accept and reject paths"
     monkeypatch.setattr(test_decoder_distribution, "N", N)  # its pooling of small cells counts on N samples
     test_decoder_distribution.assert_matches(counts, joint)
+
+
+@pytest.mark.real_models
+@needs_llama
+def test_auto_switching_among_every_source_equals_plain_greedy_on_llama_cpp(gguf, auto_switching):
+    """auto choosing at random, round by round, among plain decoding, tli, slem and the lookup (on LONG, whose
+    functions repeat, the lookup finds continuations) gives plain decoding's answer on llama.cpp."""
+    pair = pair_of(gguf[QWEN], gguf[SMOL])
+    ids, dids = pair.target_tokenizer.encode(LONG), pair.drafter_tokenizer.encode(LONG)
+    *_, ref = stream(pair, ids, dids, algorithm="none", max_new_tokens=MAX_NEW)
+    events = list(stream(pair, ids, dids, algorithm="auto", max_new_tokens=MAX_NEW, probe_first=False))
+    assert events[-1].target_ids == ref.target_ids
+    ran = {r.algorithm for r in events[:-1] if r.drafted}
+    assert "ngram" in ran and ran & {"tli", "slem"}, ran
 
 
 # --- rollback --------------------------------------------------------------------------------------------------------

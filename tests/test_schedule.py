@@ -15,14 +15,16 @@ from usd.record import RoundRecord
 from usd.schedule import K_MAX, K_START, MIN_TRIES, PROBE_BUDGET, PROBE_EVERY, CostModel, Schedule, speedup_bound, tau
 
 
-def fake_pair(same_tokenizer=False):
-    return SimpleNamespace(same_tokenizer=same_tokenizer, memory={})
+def fake_pair(same_tokenizer=False, drafter=True):
+    return SimpleNamespace(same_tokenizer=same_tokenizer, memory={}, drafter="a drafter" if drafter else None)
 
 
 @dataclass
 class World:
     """A machine and a pair: the target's forward over n positions costs verify(n) seconds, a drafter step
-    `draft[mode]` seconds, and each drafted token is accepted with probability `alpha[mode]`."""
+    `draft[mode]` seconds, and each drafted token is accepted with probability `alpha[mode]`. The n-gram lookup
+    (mode "ngram") finds a continuation in a share `found` of the rounds, runs no model step, and its `draft` is the
+    lookup's time."""
 
     alpha: dict
     draft: dict
@@ -32,9 +34,13 @@ class World:
     rng: random.Random = field(default_factory=lambda: random.Random(0))
     spent: float = 0.0
     last: str = "none"
+    found: float = 1.0
+    lookups: list = field(default_factory=list)
+    """Whether the lookup found something, each round."""
 
     def round(self, schedule: Schedule) -> tuple[str, int]:
-        mode, k = schedule.next()
+        self.lookups.append(self.found >= 1 or self.rng.random() < self.found)
+        mode, k = schedule.next(found=self.lookups[-1])
         setup_s, self.last = (self.setup if mode != "none" and self.last == "none" else 0.0), mode
         if mode == "none":
             schedule.observe(RoundRecord(mode, 0, 0, 0, verify_s=self.verify(1)))
@@ -43,9 +49,10 @@ class World:
         accepted = 0
         while accepted < k and self.rng.random() < self.alpha[mode]:
             accepted += 1
-        draft_s, verify_s = k * self.draft[mode], self.verify(k + 1)
+        steps = 0 if mode == "ngram" else k
+        draft_s, verify_s = (steps or 1) * self.draft[mode], self.verify(k + 1)
         schedule.observe(
-            RoundRecord(mode, k, k, accepted, draft_steps=k, draft_s=draft_s, verify_s=verify_s, setup_s=setup_s)
+            RoundRecord(mode, k, k, accepted, draft_steps=steps, draft_s=draft_s, verify_s=verify_s, setup_s=setup_s)
         )
         self.spent += setup_s + draft_s + verify_s
         return mode, k
@@ -297,3 +304,50 @@ def test_tli_is_left_out_where_its_alpha_ceiling_cannot_pay():
     s = Schedule(costed_pair(0.1, v, tli_ceiling=0.3), "auto", "auto")
     assert s.modes == ["none", "slem"] and s.bound is None
     assert Schedule(costed_pair(0.1, v, tli_ceiling=0.9), "auto", "auto").modes == ["none", "tli", "slem"]
+
+
+# --- the n-gram lookup as one of auto's sources (issue 25 point 2) -------------------------------------------------
+
+COPYING = dict(alpha={"tli": 0.6, "slem": 0.55, "ngram": 0.95}, draft={**CPU["draft"], "ngram": 0.001}, found=0.5)
+"""The CPU above on an answer that copies from its prompt: half the rounds find a continuation, kept 95% of the time."""
+
+
+def test_auto_weighs_the_lookup_only_in_rounds_where_it_found_something():
+    world = World(**{**CPU, **COPYING}, rng=random.Random(1))
+    chosen = [m for m, _ in world.run(Schedule(fake_pair(), "auto", "auto", lookup=True), 400)]
+    assert "ngram" in chosen and all(world.lookups[i] for i, m in enumerate(chosen) if m == "ngram")
+    # a fixed ngram decodes plainly where its lookup finds nothing
+    world = World(**{**CPU, **COPYING}, rng=random.Random(1))
+    fixed = [m for m, _ in world.run(Schedule(fake_pair(), "ngram", "auto", lookup=True), 200)]
+    assert all((m == "ngram") == found for m, found in zip(fixed[2:], world.lookups[2:], strict=True))
+
+
+def test_where_the_drafter_model_cannot_pay_auto_drafts_by_lookup_at_the_verify_s_price():
+    """A lookup's draft costs about nothing, so its round costs its verify: on the CPU where no model drafter can pay,
+    copied spans can (k = 2 at alpha 0.95: 2.85 tokens for a verify of 2.36 steps). auto leaves the model out from
+    the first round (its bound) and runs the lookup where it finds something, at about the k the formula says."""
+    pair = costed_pair(0.28, ON_THIS_CPU)
+    s = Schedule(pair, "auto", "auto", lookup=True)
+    assert s.modes == ["none", "ngram"] and s.bound is not None
+    world = World(**{**CPU, **COPYING}, rng=random.Random(2))
+    chosen = world.run(s, 600)
+    found_rounds = [mk for mk, found in zip(chosen, world.lookups, strict=True) if found][100:]
+    assert {m for m, _ in chosen} == {"none", "ngram"}
+    assert [m for m, _ in found_rounds].count("ngram") / len(found_rounds) > 0.85
+    best = max(range(1, K_MAX + 1), key=lambda k: tau(0.95, k) / (0.001 + world.verify(k + 1)))
+    ks = sorted(k for m, k in found_rounds if m == "ngram")
+    assert abs(ks[len(ks) // 2] - best) <= 1
+
+
+def test_a_lookup_that_is_seldom_right_is_left_for_plain_decoding():
+    world = World(**{**CPU, "alpha": {**CPU["alpha"], "ngram": 0.2}, "draft": COPYING["draft"]})
+    chosen = [m for m, _ in world.run(Schedule(costed_pair(0.28, ON_THIS_CPU), "auto", "auto", lookup=True), 2000)]
+    assert chosen[200:].count("none") / 1800 > 0.98
+
+
+def test_a_seeded_auto_weighs_the_lookup_and_a_pair_without_a_drafter_weighs_only_it():
+    assert Schedule(fake_pair(), "auto", "auto", seeded_sampling=True, lookup=True).modes == ["none", "slem", "ngram"]
+    assert Schedule(fake_pair(drafter=False), "auto", "auto", lookup=True).modes == ["none", "ngram"]
+    assert Schedule(fake_pair(drafter=False), "auto", "auto").modes == ["none"]
+    # a free draft cannot pay where verifying k + 1 tokens costs k + 1 steps or more: then the lookup is left out too
+    assert Schedule(costed_pair(0.28, {1: 2.1, 2: 3.2, 4: 5.5}), "auto", "auto", lookup=True).modes == ["none"]

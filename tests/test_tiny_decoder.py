@@ -243,8 +243,10 @@ def check_fails(counts, joint) -> bool:
     return not set(counts) <= set(joint) or p_value(counts, joint) < ALPHA
 
 
-def sample_two(pair, algorithm, k=3, seeds=range(N), **settings) -> tuple[dict, float]:
-    ids, dids = pair.target_tokenizer.encode(PROMPT), pair.drafter_tokenizer.encode(PROMPT)
+def sample_two(pair, algorithm, k=3, seeds=range(N), prompt=None, sources=None, **settings) -> tuple[dict, float]:
+    """The first two tokens of N seeded generations, and their acceptance; `prompt`: (target ids, drafter ids)
+    instead of PROMPT's; `sources` collects what drafted."""
+    ids, dids = prompt or (pair.target_tokenizer.encode(PROMPT), pair.drafter_tokenizer.encode(PROMPT))
     counts, drafted, accepted = {}, 0, 0
     for seed in seeds:
         params = SamplingParams(**(settings or TOP4), seed=seed)
@@ -252,6 +254,8 @@ def sample_two(pair, algorithm, k=3, seeds=range(N), **settings) -> tuple[dict, 
         counts[done.target_ids] = counts.get(done.target_ids, 0) + 1
         drafted += done.stats.drafted
         accepted += done.stats.accepted
+        if sources is not None:
+            sources.update(a for a, n in done.stats.drafted_by_algorithm.items() if n)
     return counts, accepted / max(1, drafted)
 
 
@@ -338,9 +342,10 @@ def test_first_two_tokens_distributed_as_plain_sampling(case, request):
         assert {"none", "tli", "slem"} <= set(pair.memory["schedule"]["modes"])
 
 
-def test_seeded_auto_mixing_plain_and_slem_is_distributed_as_plain_sampling(confident_pairs, monkeypatch):
-    """Under a seed auto keeps to plain decoding and slem (whose answer the seed fixes, however rounds are cut): the
-    real seeded schedule, switching between the two in a random order, with adaptive k."""
+def test_seeded_auto_mixing_plain_slem_and_ngram_is_distributed_as_plain_sampling(confident_pairs, monkeypatch):
+    """Under a seed auto keeps to plain decoding, slem and ngram (whose answers the seed fixes, however rounds are
+    cut): the real seeded schedule, switching among them in a random order (ngram where its lookup finds something:
+    the echoing prompt), with adaptive k."""
     import random
 
     real = usd.decoder.Schedule
@@ -348,15 +353,16 @@ def test_seeded_auto_mixing_plain_and_slem_is_distributed_as_plain_sampling(conf
 
     def switching(*args, **kwargs):
         schedule = real(*args, **kwargs)
-        assert schedule.modes == ["none", "slem"], "a seeded auto mixes plain decoding and slem only"
-        schedule._choose = lambda: order.choice(schedule.modes)
+        assert schedule.modes == ["none", "slem", "ngram"], "a seeded auto mixes plain decoding, slem and ngram only"
+        schedule._choose = lambda modes: order.choice(modes)
         return schedule
 
     monkeypatch.setattr(usd.decoder, "Schedule", switching)
     pair = confident_pairs["byte-level"]
-    joint = exact_joint(pair.target, pair.target_tokenizer.encode(PROMPT))
-    counts, alpha = sample_two(pair, "auto", "auto")
-    assert 0.02 < alpha < 0.98
+    ids = echoing_prompt(pair)
+    joint, sources = exact_joint(pair.target, ids), set()
+    counts, alpha = sample_two(pair, "auto", "auto", prompt=both_prompts(pair, ids), sources=sources)
+    assert 0.02 < alpha < 0.98 and sources == {"slem", "ngram"}
     assert p_value(counts, joint) > ALPHA
 
 
@@ -622,3 +628,62 @@ def test_every_drafted_piece_says_what_drafted_it_and_ngram_pieces_where_they_we
     tli = [p for r in run(pair, PROMPTS[0], algorithm="tli", k=4, max_new_tokens=MAX_NEW)[0] for p in r.pieces]
     assert any(p.source == "tli" for p in tli) and all(p.copied_from is None for p in tli)
     assert all(p.source == "tli" for p in tli if p.kind in ("accepted", "rejected"))
+
+
+# --- auto mixing the lookup with the drafter model's algorithms -------------------------------------------------------
+
+
+def both_prompts(pair, ids: list[int]) -> tuple[list[int], list[int]]:
+    """The target's prompt ids and the drafter's tokenization of the same text."""
+    return ids, pair.drafter_tokenizer.encode(pair.target_tokenizer.decode(ids))
+
+
+@pytest.mark.parametrize("key", list(ALGORITHMS))
+def test_auto_switching_among_every_source_equals_plain_greedy(pairs, key, auto_switching):
+    """auto choosing at random, round by round, among plain decoding, the drafter model's algorithms and the lookup
+    (where it finds something: the echoing prompt holds the answer's start) gives plain greedy's answer."""
+    pair = pairs[key]
+    ids = echoing_prompt(pair)
+    *_, plain = stream(pair, ids, algorithm="none", max_new_tokens=MAX_NEW)
+    events = list(stream(pair, *both_prompts(pair, ids), algorithm="auto", max_new_tokens=MAX_NEW, probe_first=False))
+    rounds, done = events[:-1], events[-1]
+    assert done.target_ids == plain.target_ids and done.text == plain.text
+    assert_pieces_are_the_text(pair, rounds, done)
+    ran = {r.algorithm for r in rounds if r.drafted}
+    assert "ngram" in ran and len(ran) >= 2, f"auto must mix the lookup with the drafter model's algorithms: {ran}"
+
+
+def test_auto_mixing_the_lookup_and_the_drafter_models_algorithms_is_distributed_as_plain_sampling(
+    sampling_pairs, auto_switching
+):
+    """Unseeded, so that tli (rejection sampling) is among the modes, switching at random with slem, ngram and plain
+    decoding: the first two tokens after the echoing prompt are distributed as plain sampling's."""
+    pair = sampling_pairs["byte-level"]
+    ids = echoing_prompt(pair)
+    sources: set = set()
+    counts, alpha = sample_two(pair, "auto", 3, prompt=both_prompts(pair, ids), sources=sources)
+    assert 0.02 < alpha < 0.98 and {"tli", "slem", "ngram"} <= sources, (alpha, sources)
+    p = p_value(counts, exact_joint(pair.target, ids))
+    assert p > ALPHA, f"auto mixing tli, slem and ngram: p = {p:.1e}, observed {counts}"
+
+
+def test_auto_mixing_with_a_lookup_accepted_unchecked_fails_the_distribution_test(
+    sampling_pairs, auto_switching, monkeypatch
+):
+    """The power of the test above: the same mix with ngram's first candidate kept whenever the target's top-k
+    holds it (instead of only when it is the target's own draw)."""
+    real = usd.decoder.accept
+
+    def generous(logits, draft, mode, rules, position):
+        verdict = real(logits, draft, mode, rules, position)
+        looked_up = mode == "ngram" and draft.candidates and verdict.accepted == 0
+        if looked_up and probabilities(logits, rules.params)[0, draft.candidates[0]] > 0:
+            token = draft.candidates[1] if len(draft.candidates) > 1 else verdict.token
+            return usd.decoder.Verdict(1, token, verdict.kind)
+        return verdict
+
+    monkeypatch.setattr(usd.decoder, "accept", generous)
+    pair = sampling_pairs["byte-level"]
+    ids = echoing_prompt(pair)
+    counts, _ = sample_two(pair, "auto", 3, prompt=both_prompts(pair, ids))
+    assert check_fails(counts, exact_joint(pair.target, ids)), "a broken acceptance rule passed the test"

@@ -105,15 +105,24 @@ NAMES: tuple[str, ...] = tuple(Algorithm)
 PLAIN = Algorithm.NONE
 DRAFTING: tuple[Algorithm, ...] = tuple(a for a in Algorithm if a.needs_drafter)
 """The algorithms that draft with a drafter model."""
+LOOKING_UP: tuple[Algorithm, ...] = tuple(a for a in Algorithm if a.spec.proposes is Proposal.LOOKUP)
+"""The algorithms that draft by looking up the conversation, with no model (all seed-stable: exact match)."""
 
 
-def auto_modes(same_tokenizer: bool, seeded_sampling: bool) -> list[Algorithm]:
-    """What auto weighs each round: plain decoding and the drafting algorithms that suit the pair. On a pair of one
-    tokenizer those that need it (the drafter's whole vocabulary is shared), on another pair the rest. Under sampling
-    with a seed only the seed-stable ones, so that the same seed gives the same text whatever auto chose."""
-    if seeded_sampling:
-        return [PLAIN, *(a for a in DRAFTING if a.spec.seed_stable)]
-    return [PLAIN, *(a for a in DRAFTING if a.spec.one_tokenizer == same_tokenizer)]
+def auto_modes(
+    same_tokenizer: bool, seeded_sampling: bool, drafter: bool = True, lookup: bool = False
+) -> list[Algorithm]:
+    """What auto weighs each round: plain decoding, the drafting algorithms that suit the pair (with a `drafter`
+    model loaded), and, with `lookup`, the n-gram lookup. Of the drafter's algorithms: on a pair of one tokenizer
+    those that need it (the drafter's whole vocabulary is shared), on another pair the rest. Under sampling with a
+    seed only the seed-stable ones, so that the same seed gives the same text whatever auto chose."""
+    if not drafter:
+        drafting: list[Algorithm] = []
+    elif seeded_sampling:
+        drafting = [a for a in DRAFTING if a.spec.seed_stable]
+    else:
+        drafting = [a for a in DRAFTING if a.spec.one_tokenizer == same_tokenizer]
+    return [PLAIN, *drafting, *(LOOKING_UP if lookup else ())]
 
 
 def runnable(algorithm: Algorithm, has_drafter: bool, same_tokenizer: bool) -> str | None:

@@ -32,11 +32,9 @@ from .verify import exact_match, greedy_match, rejection_sampling
 
 
 def resolve_algorithm(pair: Pair, algorithm: str) -> Algorithm:
-    """Check that the algorithm can run on this pair; `auto` stays `auto` (the schedule picks per round), or plain
-    decoding without a drafter."""
+    """Check that the algorithm can run on this pair; `auto` stays `auto` (the schedule picks per round: without a
+    drafter between plain decoding and the n-gram lookup)."""
     chosen = check_algorithm(algorithm)
-    if chosen.chooses and pair.drafter is None:
-        return PLAIN
     problem = runnable(chosen, pair.drafter is not None, pair.same_tokenizer)
     if problem:
         raise ValueError(problem)
@@ -287,16 +285,17 @@ class Generation:
         # With a seed, auto only uses modes whose answer the seed fixes (plain and slem, see position_generator), so
         # "same seed, same text" holds for regenerate, for --samples, and between the compare view's two columns.
         seeded = not params.greedy and params.seed is not None
-        self.schedule = Schedule(pair, algorithm, k, probe_first, seeded_sampling=seeded)
+        looks_up = algorithm.chooses or algorithm.spec.proposes is Proposal.LOOKUP
+        self.schedule = Schedule(pair, algorithm, k, probe_first, seeded_sampling=seeded, lookup=looks_up)
         base_seed = params.seed if params.seed is not None else secrets.randbits(63)
         rng = Randomness(make_generator(params.seed, DRAFTER_STREAM), base_seed)
         self.tally = Tally(algorithm)
         self.target = pair.target_runner.new_context(prompt_ids)
         self.prompt_len = len(prompt_ids)
-        self.lookup = NgramIndex(prompt_ids) if algorithm.spec.proposes is Proposal.LOOKUP else None
-        """The committed target ids, indexed for n-gram lookup (the ngram algorithm)."""
+        self.lookup = NgramIndex(prompt_ids) if looks_up else None
+        """The committed target ids, indexed for n-gram lookup (ngram, and auto)."""
         self.drafter = None
-        if algorithm.uses_drafter:
+        if algorithm.uses_drafter and pair.drafter is not None:
             self.drafter = DrafterState(pair, drafter_prompt_ids if drafter_prompt_ids is not None else prompt_ids)
         self.answer = Answer(pair, max_new_tokens, stop_strings)
         self.rules = Rules(pair, params, rng, self.answer.eos, self.schedule.min_confidence)
@@ -317,7 +316,7 @@ class Generation:
 
     def plan(self) -> tuple[Algorithm, int, int]:
         """(mode, k, the target's room) for the next round: the schedule's choice, fitted to both contexts."""
-        mode, k = self.schedule.next()
+        mode, k = self.schedule.next(found=self.lookup is not None and self.lookup.lookup(1) is not None)
         target_room = _room(self.pair.context_length, len(self.target.ids))  # the verify positions must fit too
         if mode.needs_drafter:
             assert self.drafter is not None  # the schedule drafts with the model only when the algorithm does

@@ -14,10 +14,13 @@ Each round takes the (mode, k) of the highest rate; when no k beats plain decodi
 probes the others now and then, with a growing wait, so where speculation cannot pay it costs almost nothing.
 
 Modes a generation may use: a fixed algorithm keeps its algorithm (its k still follows the model when
-`draft_tokens="auto"`); `auto` chooses among plain decoding and standard, or tli and slem. Under sampling with a seed,
-auto picks between plain decoding and slem only: the seed fixes their answer whatever the schedule does (see
-`sampling.position_generator`), while tli's rejection-sampling draws depend on where rounds were cut; for the same
-reason a seeded tli or standard with adaptive k drafts K_START tokens a round rather than what timings suggest.
+`draft_tokens="auto"`); `auto` chooses among plain decoding, the n-gram lookup, and standard, or tli and slem. A
+lookup finds a continuation in some rounds only: in the others auto weighs the rest (`next`), and where it finds one
+its round costs only the verify (and the lookup, priced as the round's other work), at its own measured alpha. Under
+sampling with a seed, auto picks between plain decoding, slem and ngram only: the seed fixes their answer whatever the
+schedule does (see `sampling.position_generator`), while tli's rejection-sampling draws depend on where rounds were
+cut; for the same reason a seeded tli or standard with adaptive k drafts K_START tokens a round rather than what
+timings suggest.
 The estimates live in `pair.memory` and carry over to the next generation of the pair.
 
 Choosing a mode or a length from past rounds only (never from the token about to be verified) keeps the output
@@ -26,7 +29,7 @@ lossless: every round emits tokens distributed as the target's, whatever it was 
 
 from __future__ import annotations
 
-from .algorithms import PLAIN, Algorithm, auto_modes
+from .algorithms import PLAIN, Algorithm, Proposal, auto_modes
 from .events import Bound
 from .record import RoundRecord
 from .theory import best_k, tau
@@ -153,7 +156,8 @@ class CostModel:
             _keep_last(self.verify.setdefault(str(fed), []), [r.verify_s, r.verify_s / step if step else None])
         m = self._mode(r.algorithm)
         m["rounds"] += 1
-        Mean.add(m["other"], r.other_s)
+        # a draft with no model steps (a lookup) is priced as the round's other work: it costs what it took
+        Mean.add(m["other"], r.other_s + (r.draft_s if not r.draft_steps else 0.0))
         for _ in range(r.draft_steps):
             Mean.add(m["draft"], r.draft_s / r.draft_steps)
             if step:
@@ -215,9 +219,20 @@ class CostModel:
 
 
 class Schedule:
-    def __init__(self, pair, algorithm: str, k: int | str, probe_first: bool = True, seeded_sampling: bool = False):
+    def __init__(
+        self,
+        pair,
+        algorithm: str,
+        k: int | str,
+        probe_first: bool = True,
+        seeded_sampling: bool = False,
+        lookup: bool = False,
+    ):
+        """`lookup`: auto may draft by n-gram lookup (the generation keeps the index)."""
         self.algorithm = algorithm = Algorithm(algorithm)
-        self.modes = auto_modes(pair.same_tokenizer, seeded_sampling) if algorithm.chooses else [algorithm]
+        self.modes = [algorithm]
+        if algorithm.chooses:
+            self.modes = auto_modes(pair.same_tokenizer, seeded_sampling, pair.drafter is not None, lookup)
         self.adaptive_k = k == "auto"
         self.k_fixed = None if self.adaptive_k else int(k)
         if self.adaptive_k and seeded_sampling and not algorithm.spec.seed_stable and not algorithm.chooses:
@@ -245,11 +260,9 @@ class Schedule:
         self.dropped: set[str] = set()
         """Modes that realised less than plain decoding in this answer: never the best again in it, only probed."""
         self.bound = self._bound(pair) if algorithm.chooses else None
-        """auto only: when no draft length can pay on this machine (`speedup_bound` below 1 for every mode, from the c
-        and v(k) measured at load, usd/costs.py), the best of those bounds; auto then decodes plainly from the first
-        round and never probes."""
-        if self.bound is not None:
-            self.modes = [PLAIN]
+        """auto only: when no draft length of the drafter model can pay on this machine (`speedup_bound` below 1, from
+        the c and v(k) measured at load, usd/costs.py), the best of those bounds; auto then never drafts with the
+        model (it decodes plainly from the first round where no lookup is weighed either)."""
         self.expected_speedup: float | None = None
         """What the model expects of the round just chosen, against plain decoding (None until it can tell)."""
         self.declined: tuple[str, int, float] | None = None
@@ -258,14 +271,18 @@ class Schedule:
 
     def _bound(self, pair) -> Bound | None:
         """What speculation can gain here at most (`speedup_bound`), from the c and v(k) measured at load; modes that
-        cannot pay are left out (tli when its alpha ceiling rules it out). The bound when none can pay, else None
+        cannot pay are left out (tli when its alpha ceiling rules it out; the lookup, whose draft costs next to
+        nothing, only where even a free draft cannot pay). The drafter model's bound when it cannot pay, else None
         (also where nothing was measured: then every mode is probed)."""
         costs = pair.memory.get("costs")
         if not costs:
             return None
         c, v = costs["c"], {int(k): vk for k, vk in costs["v"].items()}
+        if speedup_bound(0.0, v)[1] < 1:
+            self.modes = [m for m in self.modes if m.spec.proposes is not Proposal.LOOKUP]
         k, speedup = speedup_bound(c, v)
         if speedup < 1:
+            self.modes = [m for m in self.modes if not m.needs_drafter]
             return Bound(k, speedup, c, interpolate({1 + kk: vk for kk, vk in v.items()} | {1: 1.0}, k + 1))
         ceiling = costs.get("tli_ceiling")
         if Algorithm.TLI in self.modes and ceiling is not None and speedup_bound(c, v, ceiling)[1] < 1:
@@ -284,31 +301,34 @@ class Schedule:
         rate = self.model.rate(mode, self.k_for(mode))
         return 1.0 / rate if rate else float("inf")
 
-    def next(self) -> tuple[Algorithm, int]:
-        """(algorithm, k) for the coming round; (PLAIN, 0) is a plain target step."""
-        if self.probe_first and not self.probed:
+    def next(self, found: bool = True) -> tuple[Algorithm, int]:
+        """(algorithm, k) for the coming round; (PLAIN, 0) is a plain target step. `found`: whether a lookup finds a
+        continuation of the committed ids now; where it finds none the lookup is not a candidate this round (a fixed
+        ngram decodes plainly). Deciding from the committed ids alone keeps the round lossless."""
+        modes = [m for m in self.modes if found or m.spec.proposes is not Proposal.LOOKUP]
+        if (self.probe_first and not self.probed) or not modes:
             mode = PLAIN
         else:
-            mode = self.modes[0] if len(self.modes) == 1 else self._choose()
+            mode = modes[0] if len(modes) == 1 else self._choose(modes)
         k = self.k_for(mode)
         self.expected_speedup = 1.0 if mode.plain else self.model.expected_speedup(mode, k)
-        self.declined = self._best_speculation() if mode.plain and len(self.modes) > 1 else None
+        self.declined = self._best_speculation(modes) if mode.plain and len(modes) > 1 else None
         return mode, k
 
-    def _best_speculation(self) -> tuple[str, int, float] | None:
-        options = [(m, self.k_for(m)) for m in self.modes if not m.plain]
+    def _best_speculation(self, modes: list[Algorithm]) -> tuple[str, int, float] | None:
+        options = [(m, self.k_for(m)) for m in modes if not m.plain]
         rated = [(m, k, self.model.expected_speedup(m, k)) for m, k in options]
         known = [(m, k, x) for m, k, x in rated if x is not None]
         return max(known, key=lambda option: option[2]) if known else None
 
-    def _choose(self) -> Algorithm:
-        untried = [m for m in self.modes if self.model.rounds(m) < MIN_TRIES]
+    def _choose(self, modes: list[Algorithm]) -> Algorithm:
+        untried = [m for m in modes if self.model.rounds(m) < MIN_TRIES]
         if untried:
             # in turn with plain steps, so that every trial is judged against plain steps measured next to it
-            rotation = list(dict.fromkeys([*untried, *(m for m in self.modes if m.plain)]))
+            rotation = list(dict.fromkeys([*untried, *(m for m in modes if m.plain)]))
             return max(rotation, key=lambda m: self.since[m])
-        best = self._best()
-        overdue = [m for m in self.modes if m != best and self.since[m] >= self.gap.get(m, PROBE_EVERY)]
+        best = self._best(modes)
+        overdue = [m for m in modes if m != best and self.since[m] >= self.gap.get(m, PROBE_EVERY)]
         return max(overdue, key=lambda m: self.since[m]) if overdue else best
 
     def _best(self, modes: list[Algorithm] | None = None) -> Algorithm:
