@@ -18,6 +18,11 @@ class SpaceModeError(LoadError):
     """Space mode allows only the catalog models the Space serves."""
 
 
+NO_DRAFTER = "(no drafter model)"
+"""The Pair tab's drafter choice that loads the target alone: `ngram` drafts by looking up the conversation, and
+`auto` weighs it beside plain decoding."""
+
+
 @dataclass(frozen=True)
 class Choice:
     target: str
@@ -61,15 +66,21 @@ class Pairs:
             raise SpaceModeError(f"{role} {spec!r} is not served by this Space; it serves only {served}")
         return entry
 
+    def drafter_entry(self, spec: str) -> ModelEntry | None:
+        """The drafter's entry, or None for NO_DRAFTER."""
+        return None if (spec or "").strip() == NO_DRAFTER else self.entry(spec, "drafter")
+
     def preview(self, target: str, drafter: str) -> str:
         """What loading this pair means, before loading it: precision on this device, memory, overlap, ceiling."""
         try:
-            t, d = self.entry(target, "target"), self.entry(drafter, "drafter")
+            t, d = self.entry(target, "target"), self.drafter_entry(drafter)
         except LoadError as e:
             return f"⚠ {e}"
         lines = []
         total = 0
         for role, e in (("target", t), ("drafter", d)):
+            if e is None:
+                continue
             plan = plan_load(e, self.device, self.precision)
             total += plan.estimate_bytes
             ready = _readiness(e, plan.precision)
@@ -79,8 +90,8 @@ class Pairs:
             )
         avail = plan.available_bytes
         room = f" of {avail / GiB:.1f} GiB free" if avail is not None else ""
-        lines.append(f"- **memory**: about {total / GiB:.2f} GiB for both{room}.")
-        lines.append(self._overlap_line(t, d))
+        lines.append(f"- **memory**: about {total / GiB:.2f} GiB for {'both' if d else 'the target'}{room}.")
+        lines.append(self._overlap_line(t, d) if d else NO_DRAFTER_LINE)
         return "\n".join(lines)
 
     def _tokenizer(self, entry: ModelEntry):
@@ -116,14 +127,14 @@ class Pairs:
         """Load (fetching if needed) and switch to this pair. On failure the previous pair stays loaded and usable."""
         from usd import api
 
-        t, d = self.entry(target, "target"), self.entry(drafter, "drafter")
+        t, d = self.entry(target, "target"), self.drafter_entry(drafter)
         with self._load_lock:
-            choice = Choice(t.name, d.name)
+            choice = Choice(t.name, d.name if d else NO_DRAFTER)
             if self.pair is not None and self.loaded == choice:
                 return self.pair
             new = api.load_pair(
                 target.strip(),
-                drafter.strip(),
+                drafter.strip() if d else False,
                 catalog=self.catalog,
                 device=self.device,
                 precision=self.precision,
@@ -144,10 +155,19 @@ class Pairs:
     def describe(self) -> str:
         if self.loaded is None:
             return "No pair loaded."
+        if self.loaded.drafter == NO_DRAFTER:
+            return f"Loaded: target `{self.loaded.target}` · no drafter model (ngram and plain decoding)"
         return f"Loaded: target `{self.loaded.target}` · drafter `{self.loaded.drafter}`"
 
     def key(self) -> tuple:
         return (self.loaded.target, self.loaded.drafter) if self.loaded else ()
+
+
+NO_DRAFTER_LINE = (
+    "- **drafter**: none. `ngram` drafts by looking up the conversation (what the answer repeats of it is verified "
+    "at a verify's cost, no model step) and `auto` weighs it beside plain decoding; tli, slem and standard need a "
+    "drafter model."
+)
 
 
 def _readiness(entry: ModelEntry, precision: str) -> str:

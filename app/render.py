@@ -10,7 +10,7 @@ import itertools
 import time
 from dataclasses import dataclass, field
 
-from usd.algorithms import PLAIN, Algorithm
+from usd.algorithms import NAMES, PLAIN, Algorithm, Proposal
 from usd.events import KINDS, Finished, Piece, Round, Stats
 
 KIND_LABELS = {
@@ -183,7 +183,7 @@ def auto_choice(event: Round) -> str:
     """What auto ran this round and the cost model's reason, in words."""
     if event.algorithm != PLAIN:  # (a third-party server may name none)
         expected = f", expected {event.expected_speedup:.2f}x" if event.expected_speedup else ""
-        return f"{event.algorithm} k={event.k}{expected}"
+        return f"{event.algorithm} k={event.k}{_drafted_by(event.algorithm)}{expected}"
     if event.bound is not None:
         b = event.bound
         text = (
@@ -201,6 +201,14 @@ def auto_choice(event: Round) -> str:
     algorithm, k, speedup = event.declined
     verdict = "speculation does not pay on this machine" if speedup < 1 else "re-measuring plain decoding"
     return f"plain decoding: the best speculation, {algorithm} k={k}, is expected at {speedup:.2f}x; {verdict}"
+
+
+def _drafted_by(algorithm: str) -> str:
+    """Which source an algorithm drafts from, in words (nothing for a name this engine does not know)."""
+    if algorithm not in NAMES:
+        return ""
+    proposes = Algorithm(algorithm).spec.proposes
+    return " (n-gram lookup, no model)" if proposes is Proposal.LOOKUP else " (the drafter model)"
 
 
 def fmt(x, spec: str = ".2f", unit: str = "", missing: str = "–") -> str:

@@ -27,7 +27,7 @@ from usd.serve.slots import Slots
 from usd.settings import ALGORITHMS, DRAFT_TOKENS_MAX, MAX_NEW_TOKENS_MAX, GenerationSettings
 
 from . import render
-from .pairs import Pairs
+from .pairs import NO_DRAFTER, Pairs
 from .space import gpu
 from .suggest_ui import rank_section
 
@@ -581,10 +581,13 @@ def _pair_tab(demo: gr.Blocks, h: Handlers, header: gr.Markdown) -> None:
     }
     loaded = pairs.loaded or pairs.catalog.default
     with gr.Tab("Pair", id="pair"):
-        gr.Markdown("Choose a target and a drafter from any family; the numbers below are known before loading.")
+        gr.Markdown(
+            "Choose a target and a drafter from any family; the numbers below are known before loading. A drafter "
+            "model is optional: `ngram` drafts by looking up the conversation, with any target."
+        )
         with gr.Row():
             t_pick = gr.Dropdown(names, value=loaded.target, label="Target")
-            d_pick = gr.Dropdown(names, value=loaded.drafter, label="Drafter")
+            d_pick = gr.Dropdown([NO_DRAFTER, *names], value=loaded.drafter, label="Drafter")
         with gr.Row(visible=not pairs.space_mode):
             t_free = gr.Textbox(label="…or a target hub id / local path", placeholder="owner/name or /path")
             d_free = gr.Textbox(label="…or a drafter hub id / local path", placeholder="owner/name or /path")

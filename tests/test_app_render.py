@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from app import render
-from app.pairs import Pairs, SpaceModeError
+from app.pairs import NO_DRAFTER, Pairs, SpaceModeError
 from app.space import SPACE_MODELS_ENV, SpaceModelsError, space_mode
 from app.ui import Cancels, InputError, _text, prompt_text, settings
 from usd.events import Finished, Piece, Round, Stats
@@ -383,10 +383,26 @@ def test_space_pair_tab_lists_only_the_served_models(catalog, monkeypatch):
     monkeypatch.setenv(SPACE_MODELS_ENV, "qwen2.5-0.5b-instruct")
     pairs = Pairs(catalog, space_mode=True)
     dropdowns = {b.label: b for b in build(pairs).blocks.values() if isinstance(b, gr.Dropdown)}
-    for label in ("Target", "Drafter"):
-        assert [value for _, value in dropdowns[label].choices] == pairs.allowed
+    assert [value for _, value in dropdowns["Target"].choices] == pairs.allowed
+    assert [value for _, value in dropdowns["Drafter"].choices] == [NO_DRAFTER, *pairs.allowed]  # a model optional
     suggested = [value.split(":")[0] for _, value in dropdowns["Suggested pairs"].choices]
     assert suggested == [f"{catalog.default.target} ← {catalog.default.drafter}"]  # the only one of served models
+
+
+def test_the_pair_tab_loads_a_target_without_a_drafter_model_and_says_what_it_can_do(catalog, monkeypatch):
+    """A drafter model is optional (issue 25): ngram drafts by looking up the conversation. The preview says so,
+    the load asks for the target alone, and the header names no drafter."""
+    from usd import api
+
+    loads = []
+    monkeypatch.setattr(api, "load_pair", lambda target, drafter, **kw: loads.append((target, drafter)) or "a pair")
+    pairs = Pairs(catalog, device="cpu")
+    text = pairs.preview(catalog.default.target, NO_DRAFTER)
+    assert "**drafter**: none" in text and "`ngram` drafts by looking up the conversation" in text
+    assert "for the target" in text and "alpha ceiling" not in text.lower()
+    assert pairs.load(catalog.default.target, NO_DRAFTER, log=lambda *_: None) == "a pair"
+    assert loads == [(catalog.default.target, False)]
+    assert pairs.describe().endswith("no drafter model (ngram and plain decoding)")
 
 
 def test_the_pair_preview_says_which_model_a_load_will_convert_first(catalog, monkeypatch, tmp_path):
@@ -487,7 +503,9 @@ def test_the_stats_say_in_words_what_auto_chose_and_why():
     assert "plain decoding: the best speculation, tli k=1, is expected at 0.74x" in text
     assert "speculation does not pay on this machine" in text
     live.add(Round(4, 3, (piece("y", "accepted", 4),), 3, 1, 0.01, 0.1, 0.0, "slem", expected_speedup=1.31))
-    assert "slem k=3, expected 1.31x" in render.stats_html(live.numbers(), "auto")
+    assert "slem k=3 (the drafter model), expected 1.31x" in render.stats_html(live.numbers(), "auto")
+    live.add(Round(5, 2, (piece("z", "accepted", 5),), 2, 2, 0.0, 0.1, 0.0, "ngram", expected_speedup=1.2))
+    assert "ngram k=2 (n-gram lookup, no model), expected 1.20x" in render.stats_html(live.numbers(), "auto")
     plain = render.Live("tli")
     plain.add(declined)
     assert "auto&#x27;s choice" not in render.stats_html(plain.numbers(), "tli")

@@ -403,7 +403,7 @@ def test_api_input_errors(api_pair, kwargs, error, message):
 @pytest.mark.real_models
 def test_api_needs_a_drafter_for_speculation(real_tokenizers):
     pair = stub_pair(real_tokenizers[QWEN])
-    with pytest.raises(ValueError, match="algorithm 'tli' needs a drafter; load one or use 'none'"):
+    with pytest.raises(ValueError, match="algorithm 'tli' needs a drafter model; load one, or use 'ngram'"):
         usd.generate(pair, "Hi", algorithm="tli")
 
 

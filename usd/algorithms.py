@@ -128,7 +128,7 @@ def auto_modes(
 def runnable(algorithm: Algorithm, has_drafter: bool, same_tokenizer: bool) -> str | None:
     """Why the algorithm cannot run on this pair, in words for the user, or None when it can."""
     if algorithm.needs_drafter and not has_drafter:
-        return f"algorithm {algorithm.value!r} needs a drafter; load one or use 'none'"
+        return f"algorithm {algorithm.value!r} needs a drafter model; load one, or use 'ngram' (no model) or 'none'"
     if algorithm.spec.one_tokenizer and not same_tokenizer:
         others = ", ".join(a.value for a in DRAFTING if not a.spec.one_tokenizer)
         return f"{algorithm.value!r} needs identical tokenizers; this pair differs, use {others} or auto"
