@@ -86,7 +86,9 @@ class TokenFeed:
 
 def legend_html() -> str:
     items = "".join(f'<span class="tok tok-{k}" title="{KIND_LABELS[k]}">{k}</span>' for k in KINDS)
-    return f'<div class="legend">{items}<span class="legend-hint">hover a token for its round and ids</span></div>'
+    lookup = '<span class="tok tok-accepted tok-lookup" title="drafted by n-gram lookup, no model">looked up</span>'
+    hint = "hover a token for its round, ids and source"
+    return f'<div class="legend">{items}{lookup}<span class="legend-hint">{hint}</span></div>'
 
 
 @dataclass

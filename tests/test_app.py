@@ -239,6 +239,44 @@ def test_browser_chat_shows_coloured_tokens_stats_and_stop_keeps_the_chat(app):
     not shutil.which("chromium") and not os.environ.get("USD_CHAT_REQUIRE_BROWSER"),
     reason="Debian's chromium is installed by .ci/run and ./dev.sh test (.ci/run requires it)",
 )
+def test_browser_chat_marks_the_tokens_the_n_gram_lookup_drafted(app):
+    """ngram on an answer that copies the message (issue 25 point 5): the tokens it looked up are marked apart from
+    the drafter model's, and say on hover where in the conversation they were copied from."""
+    from playwright.sync_api import expect, sync_playwright
+
+    with sync_playwright() as p:
+        browser, page = open_page(p)
+        page.goto(app[2])
+        page.locator("#settings").get_by_text("Settings").first.click()
+        max_new = page.locator("#max-new-tokens input")
+        max_new.fill("64")
+        max_new.press("Tab")
+        page.locator("#algorithm input").click()
+        page.locator("#algorithm input").fill("ngram")
+        page.locator("#algorithm input").press("Enter")
+        expect(page.locator("#algorithm input")).to_have_value("ngram")
+        page.locator("#message textarea").fill(COPYING)
+        page.locator("#send").click()
+        page.wait_for_selector("#stats .stop-reason", timeout=240_000)
+        looked_up = page.locator("#tokens .tok-lookup")
+        assert looked_up.count() >= 5, "the answer copies the function: the lookup should draft much of it"
+        assert "copied from position" in (looked_up.first.get_attribute("title") or "")
+        assert "drafted by ngram" in (looked_up.first.get_attribute("title") or "")
+        page.locator("#tokens").screenshot(path=str(ROOT / "assets" / "ngram-tokens.png"))
+        browser.close()
+
+
+COPYING = (
+    "Rename the function below to `total` and change nothing else. Reply with the code only.\n\n"
+    "```python\ndef add_all(numbers):\n    result = 0\n    for n in numbers:\n        result += n\n"
+    "    return result\n```"
+)
+
+
+@pytest.mark.skipif(
+    not shutil.which("chromium") and not os.environ.get("USD_CHAT_REQUIRE_BROWSER"),
+    reason="Debian's chromium is installed by .ci/run and ./dev.sh test (.ci/run requires it)",
+)
 def test_browser_pair_tab_ranks_drafters_and_loads_the_picked_pair(app):
     """The Pair tab's ranking measures the drafters on disk for real (tests/test_suggest.py checks the handler on
     given numbers). It loads smollm2 back, so the pair the next test switches from is still the default."""

@@ -84,6 +84,7 @@ def test_legend_names_every_kind():
     out = render.legend_html()
     for kind in ("accepted", "rejected", "resampled", "bonus", "target"):
         assert f'class="tok tok-{kind}"' in out
+    assert "tok-lookup" in out and "n-gram lookup" in out  # the lookup's mark, apart from the drafter model's
 
 
 def test_live_numbers_follow_the_rounds():

@@ -12,6 +12,7 @@ import pytest
 
 from usd.bench.projection import alphas_from_bench, costs, project
 from usd.cli import main
+from usd.theory import tau
 
 ROOT = Path(__file__).resolve().parent.parent
 PROFILE = {
@@ -174,4 +175,27 @@ def test_project_what_if_without_a_profile(capsys):
     assert main(["project", "--alpha", "0.5", "--c", "0.1"]) == 2
     assert "--c and --v go together" in capsys.readouterr().err
     assert main(["project", "--alpha", "0.5", "--target-config", "x"]) == 2
+    assert "--drafter-config" in capsys.readouterr().err
+
+
+def test_the_lookup_is_projected_at_c_0_with_no_drafter_in_the_profile(tmp_path, capsys):
+    """ngram runs no model: its projection is tau(alpha, k) / v(k), from the target's verify alone."""
+    profile = tmp_path / "p.json"
+    profile.write_text(json.dumps(PROFILE))
+    args = ["project", "--target-config", "big@nf4", "--profile", str(profile), "--k-max", "3"]
+    assert main([*args, "--alpha", "0.9", "--ngram", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["c"] is None
+    expected = [tau(0.9, k) / v for k, v in ((1, 1.1), (2, 1.2), (3, 1.5))]
+    assert [r["speedup"] for r in out["projections"]["ngram"]] == pytest.approx(expected)
+    bench = tmp_path / "bench.json"
+    rows = [
+        {"algorithm": "ngram", "k": 4, "acceptance_rate": 0.9},
+        {"algorithm": "tli", "k": 4, "acceptance_rate": 0.5},
+    ]
+    bench.write_text(json.dumps({"summary": rows}))
+    assert main([*args, "--drafter-config", "small", "--from-bench", str(bench)]) == 0
+    text = capsys.readouterr().out
+    assert f"ngram (a lookup: c = 0): alpha = 0.90; best k = 3, expected speedup {max(expected):.2f}x" in text
+    assert main([*args, "--from-bench", str(bench)]) == 2  # tli's alpha needs the drafter's c
     assert "--drafter-config" in capsys.readouterr().err

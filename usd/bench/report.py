@@ -31,6 +31,10 @@ def _identity(row: dict) -> str:
     return "-" if rate is None else ("yes" if rate == 1 else f"NO: {rate:.0%}")
 
 
+def _by_source(alphas: dict | None) -> str:
+    return " · ".join(f"{source} {alpha:.2f}" for source, alpha in alphas.items()) if alphas else "-"
+
+
 def table(summary: list[dict], dtype: str | None = None) -> str:
     """The summary as a Markdown table; `dtype`, the precision the target ran in, heads the identity column. The
     llama.cpp column appears when the run has that reference."""
@@ -43,6 +47,7 @@ def table(summary: list[dict], dtype: str | None = None) -> str:
         "vs hf",
         *(["vs llama.cpp"] if vs_llama else []),
         "alpha",
+        "alpha by source",
         "tau",
         "mean k",
         "c",
@@ -61,6 +66,7 @@ def table(summary: list[dict], dtype: str | None = None) -> str:
             _fmt(r["speedup_vs_hf"]) + ("x" if r["speedup_vs_hf"] else ""),
             *([_speedup(r.get("speedup_vs_llamacpp"))] if vs_llama else []),
             _fmt(r["acceptance_rate"]),
+            _by_source(r.get("alpha_by_source")),
             _fmt(r["tokens_per_round"]),
             _fmt(r["mean_k"], ".1f"),
             _fmt(r["c"]),

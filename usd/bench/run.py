@@ -16,7 +16,7 @@ import json
 import platform
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import get_args
 
 import torch
@@ -45,6 +45,7 @@ SUMMARY_KEYS = (
     "speedup_vs_hf",
     "speedup_vs_llamacpp",
     "acceptance_rate",
+    "alpha_by_source",
     "tokens_per_round",
     "mean_k",
     "c",
@@ -72,6 +73,9 @@ class Run:
     v: float | None = None
     forward_s: float | None = None
     stop_reason: str | None = None
+    drafted_by: dict = field(default_factory=dict)
+    """Drafted candidates per source (the algorithm that drafted them: ngram's lookup, the drafter model's)."""
+    accepted_by: dict = field(default_factory=dict)
 
 
 def _ids(pair: Pair, prompt: Prompt) -> tuple[list[int], list[int] | None]:
@@ -109,6 +113,8 @@ def run_ours(
         s.v,
         s.forward_s,
         s.stop_reason,
+        dict(s.drafted_by_algorithm),
+        dict(s.accepted_by_algorithm),
     )
 
 
@@ -234,6 +240,17 @@ def _predicted(runs: list[Run], drafted: int, verify_rounds: float) -> float | N
     return expected_speedup(alpha, max(1, round(drafted / verify_rounds)), c, v)
 
 
+def _alpha_by_source(runs: list[Run]) -> dict[str, float]:
+    """Acceptance per source over the runs: what auto's mix of sources achieved with each."""
+    drafted: dict[str, int] = {}
+    accepted: dict[str, int] = {}
+    for r in runs:
+        for source, n in r.drafted_by.items():
+            drafted[source] = drafted.get(source, 0) + n
+            accepted[source] = accepted.get(source, 0) + r.accepted_by.get(source, 0)
+    return {source: accepted[source] / n for source, n in sorted(drafted.items()) if n}
+
+
 def summarize(runs: list[Run], plan: list[tuple], greedy: bool) -> list[dict]:
     by = {v: [r for r in runs if (r.algorithm, r.k) == v] for v in plan}
     walls = {v: sum(r.wall_s for r in rs) for v, rs in by.items()}
@@ -259,6 +276,7 @@ def summarize(runs: list[Run], plan: list[tuple], greedy: bool) -> list[dict]:
                 "speedup_vs_hf": hf_wall / wall if hf_wall and wall else None,
                 "speedup_vs_llamacpp": llama_wall / wall if llama_wall and wall else None,
                 "acceptance_rate": sum(r.accepted or 0 for r in rs) / drafted if ours and drafted else None,
+                "alpha_by_source": _alpha_by_source(rs) if ours else None,
                 "tokens_per_round": tokens / sum(r.rounds or 0 for r in rs) if ours else None,
                 "mean_k": drafted / verify_rounds if ours and verify_rounds else (0.0 if ours else None),
                 "c": _mean(r.c for r in rs) if ours else None,
