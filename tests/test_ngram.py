@@ -65,3 +65,14 @@ def test_the_edits_set_pastes_each_solution_with_an_edit_in_turn():
         (message,) = p.messages
         assert message["role"] == "user" and f"```python\ndef f{i}(x):\n    return x\n```" in message["content"]
         assert EDITS[i % len(EDITS)] in message["content"]
+
+
+def test_the_edits_set_holds_code_edits_and_document_questions_in_turn():
+    """Two code edits, then one of MT-Bench's extraction questions (a pasted text to answer from), from the pinned
+    packages, so that a --limit of the set holds both."""
+    from usd.datasets import load_prompts
+
+    prompts = load_prompts("edits", limit=9)
+    kinds = ["document" if "/mtbench/" in p.id else "code" for p in prompts]
+    assert kinds == ["code", "code", "document"] * 3
+    assert len(load_prompts("edits")) == 164 + 10  # every HumanEval task and every extraction question

@@ -97,15 +97,40 @@ def edit_prompts(rows: list[dict]) -> list[Prompt]:
     return out
 
 
+def document_prompts(mtbench_rows: list[dict]) -> list[Prompt]:
+    """Document-grounded questions: MT-Bench's extraction questions (a pasted text, reviews or reports or a table,
+    and a question whose answer quotes it), first turns, from the pinned MT-Bench package."""
+    rows = [r for r in mtbench_rows if r.get("category") == "extraction"]
+    return [
+        Prompt(f"edits/mtbench/{r['question_id']}", messages=({"role": "user", "content": r["turns"][0]},))
+        for r in rows
+    ]
+
+
+def _edits_set() -> list[Prompt]:
+    """Two code edits, then a document question, in turn, so that any --limit holds both kinds."""
+    code, documents = edit_prompts(_humaneval_rows()), document_prompts(_mtbench_rows())
+    out = []
+    for i, prompt in enumerate(code):
+        out.append(prompt)
+        if i % 2 == 1 and documents:
+            out.append(documents.pop(0))
+    return out + documents
+
+
+def _mtbench_rows() -> list[dict]:
+    return _jsonl(_registry_file("mtbench").decode("utf-8"), "mtbench")
+
+
 def load_prompts(dataset: str, limit: int | None = None) -> list[Prompt]:
-    """`humaneval`, `mtbench`, `edits` (HumanEval's solutions to change: `edit_prompts`), or a path to a JSONL file
-    whose rows have `prompt` (text) or `messages`."""
+    """`humaneval`, `mtbench`, `edits` (HumanEval's solutions to change, `edit_prompts`, with MT-Bench's extraction
+    questions, `document_prompts`), or a path to a JSONL file whose rows have `prompt` (text) or `messages`."""
     if dataset == "humaneval":
         out = [Prompt(r["task_id"], prompt=r["prompt"]) for r in _humaneval_rows()]
     elif dataset == "edits":
-        out = edit_prompts(_humaneval_rows())
+        out = _edits_set()
     elif dataset == "mtbench":
-        rows = _jsonl(_registry_file(dataset).decode("utf-8"), dataset)
+        rows = _mtbench_rows()
         out = [
             Prompt(f"mtbench/{r['question_id']}", messages=({"role": "user", "content": r["turns"][0]},)) for r in rows
         ]

@@ -393,7 +393,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--dataset",
         default="humaneval",
-        help="humaneval, mtbench, edits (HumanEval's solutions to change), or a JSONL file (prompt or messages)",
+        help="humaneval, mtbench, edits (HumanEval's solutions to change, MT-Bench's extraction questions), or a "
+        "JSONL file (prompt or messages)",
     )
     p.add_argument("--limit", type=int, default=20, help="how many prompts (default 20)")
     p.add_argument(
