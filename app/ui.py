@@ -47,6 +47,9 @@ what an eye reads, so the rounds in between are merged into one update (the firs
 CHART_S = 2.0
 """The per-round chart is drawn again at most this often, and at the end: a redraw costs the browser more than every
 other view together (docs/benchmarks.md, "The Chat tab against the engine")."""
+CHAT_S = 1.0
+"""The chat's answer bubble is updated at most this often, and at the end: each update has the browser render the
+whole answer's Markdown again and highlight its code, while the token view beside it shows every new piece."""
 TOKENS_JS = """
 const box = element.querySelector('.tokens');
 let run = null, shown = 0;
@@ -215,21 +218,36 @@ def shown_to_user(handler):
     return plain
 
 
+class Every:
+    """Due at the first call, then once `seconds` have passed since it was last due, and at the last call."""
+
+    def __init__(self, seconds: float):
+        self.seconds = seconds
+        self.at: float | None = None
+
+    def due(self, last: bool) -> bool:
+        now = time.monotonic()
+        if last or self.at is None or now - self.at >= self.seconds:
+            self.at = now
+            return True
+        return False
+
+
 class ChatViews:
     """The chat tab's token view, stats and chart for one generation, as updates that cost what changed: the token
-    view gets the new pieces, the chart is drawn again at most every CHART_S (and at the end)."""
+    view gets the new pieces, the chart is drawn again at most every CHART_S and the chat's answer every CHAT_S (both
+    at the end too)."""
 
     def __init__(self):
         self.tokens = render.TokenFeed()
-        self.chart_drawn: float | None = None
+        self.chart = Every(CHART_S)
+        self.chat = Every(CHAT_S)
 
     def update(self, live: render.Live) -> tuple:
         done = live.finished is not None
         chart = gr.skip()
-        now = time.monotonic()
-        if done or self.chart_drawn is None or now - self.chart_drawn >= CHART_S:
+        if self.chart.due(done):
             chart = pd.DataFrame(live.chart) if live.chart else EMPTY_CHART
-            self.chart_drawn = now
         stats = render.stats_html(live.numbers(), live.algorithm)
         return self.tokens.update(live.pieces, whole=done), stats, chart
 
@@ -345,10 +363,13 @@ class Handlers:
         views = ChatViews()
         try:
             for live in self.run(s, messages=messages, cancel=cancel):
-                answer = render.answer_text(live)
-                if live.finished is not None and live.finished.stats.stop_reason == "cancelled":
-                    answer += STOPPED
-                yield ([*shown, {"role": "assistant", "content": answer}], "", *views.update(live))
+                chat = gr.skip()
+                if views.chat.due(live.finished is not None):
+                    answer = render.answer_text(live)
+                    if live.finished is not None and live.finished.stats.stop_reason == "cancelled":
+                        answer += STOPPED
+                    chat = [*shown, {"role": "assistant", "content": answer}]
+                yield (chat, "", *views.update(live))
         finally:
             self.cancels.end(session, cancel)
 

@@ -13,10 +13,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-N_MAX = 4
+N_MAX = 8
 """The longest n-gram looked up: a longer match is more likely to continue the same way."""
-N_MIN = 2
-"""The shortest: a single token recurs too often to say what follows."""
+N_MIN = 3
+"""The shortest: a match of one or two tokens continues the same way too seldom to pay for its verify on a CPU, where
+verifying a candidate costs a good share of a step (docs/benchmarks.md, "Drafting without a model")."""
 
 
 @dataclass(frozen=True)

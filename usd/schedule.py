@@ -35,7 +35,8 @@ from .record import RoundRecord
 from .theory import best_k, tau
 
 K_START = 4
-"""The draft length a mode is first tried at, before anything is known about it."""
+"""The draft length a mode is first tried at, before anything is known about it (where the costs measured at load are
+known, the length that could pay most instead: `Schedule.start_k`)."""
 K_MAX = 8
 MIN_TRIES = 3
 """Rounds a mode gets before the model judges it."""
@@ -134,9 +135,15 @@ class CostModel:
     speculative rounds alike, instead of making whichever was measured in the quiet look cheap."""
 
     def __init__(self, memory: dict):
+        self.memory = memory
         self.steps = memory.setdefault("steps", [])  # seconds of the last WINDOW forwards over one position
         self.verify = memory.setdefault("verify", {})  # str(n) -> the last WINDOW [seconds, seconds / step then]
         self.modes = memory.setdefault("modes", {})  # mode -> {"draft", "c", "other", "hits", "rounds"}
+        memory.setdefault("observed", 0)  # rounds observed into this memory, by any generation of the pair
+        self._known: tuple[int, float | None, dict[int, float]] | None = None
+        """(observed, the plain step, V's known lengths) as of the last `V`: a round's choice asks V dozens of times,
+        and the medians behind it change only when a round is observed."""
+        self._best_k: dict[tuple, tuple[int, float | None]] = {}
 
     def _mode(self, mode: str) -> dict:
         cells = ("draft", "c", "other", "hits")
@@ -149,6 +156,7 @@ class CostModel:
     def observe(self, r: RoundRecord) -> None:
         """A forward that fed no position (round 0's plain one) tells nothing of V."""
         step = self.step()  # the plain steps measured before this round: its reference
+        self.memory["observed"] += 1
         fed = r.positions_fed
         if fed == 1:
             _keep_last(self.steps, r.verify_s)
@@ -175,14 +183,24 @@ class CostModel:
         """The target's forward over n positions: its ratio to the plain step measured near it, times the plain step
         now (`interpolate`d between measured lengths); in absolute seconds while no plain step has been measured (a
         fixed algorithm that never decodes plainly)."""
-        step = self.step()
-        ratios = {int(key): median([r for _, r in cells if r is not None]) for key, cells in self.verify.items()}
-        relative = {n_pos: r for n_pos, r in ratios.items() if r is not None}
+        step, known = self._lengths()
         if step is not None:
-            return step * interpolate({**relative, 1: 1.0}, n)
-        absolute = {int(key): median([t for t, _ in cells]) for key, cells in self.verify.items() if cells}
-        known = {n_pos: t for n_pos, t in absolute.items() if t is not None}
+            return step * interpolate(known, n)
         return interpolate(known, n) if known else None
+
+    def _lengths(self) -> tuple[float | None, dict[int, float]]:
+        """The plain step and V's measured lengths: ratios to the step (with 1: 1.0), or seconds without a step."""
+        if self._known is None or self._known[0] != self.memory["observed"]:
+            step = self.step()
+            if step is not None:
+                cells_of = self.verify.items()
+                ratios = {int(key): median([r for _, r in cells if r is not None]) for key, cells in cells_of}
+                known = {n_pos: r for n_pos, r in ratios.items() if r is not None} | {1: 1.0}
+            else:
+                absolute = {int(key): median([t for t, _ in cells]) for key, cells in self.verify.items() if cells}
+                known = {n_pos: t for n_pos, t in absolute.items() if t is not None}
+            self._known = (self.memory["observed"], step, known)
+        return self._known[1], self._known[2]
 
     def draft_step(self, mode: str) -> float:
         """The drafter's step in seconds: its ratio to the plain steps near it, times the plain step now."""
@@ -206,6 +224,12 @@ class CostModel:
         return tau(alpha, k) / cost if alpha is not None and cost else None
 
     def best_k(self, mode: str, k_max: int = K_MAX) -> tuple[int, float | None]:
+        key = (self.memory["observed"], mode, k_max)
+        if key not in self._best_k:  # asked several times for each round's choice; it changes as rounds are observed
+            self._best_k = {k: v for k, v in self._best_k.items() if k[0] == key[0]} | {key: self._best_of(mode, k_max)}
+        return self._best_k[key]
+
+    def _best_of(self, mode: str, k_max: int) -> tuple[int, float | None]:
         rates = [(self.rate(mode, k), k) for k in range(1, k_max + 1)]
         known = [(r, k) for r, k in rates if r is not None]
         if not known:
@@ -259,6 +283,8 @@ class Schedule:
         would have taken for their tokens, how many]."""
         self.dropped: set[str] = set()
         """Modes that realised less than plain decoding in this answer: never the best again in it, only probed."""
+        self.start_k = self._start_lengths(pair)
+        """The draft length each mode is tried at before the model judges it."""
         self.bound = self._bound(pair) if algorithm.chooses else None
         """auto only: when no draft length of the drafter model can pay on this machine (`speedup_bound` below 1, from
         the c and v(k) measured at load, usd/costs.py), the best of those bounds; auto then never drafts with the
@@ -289,12 +315,25 @@ class Schedule:
             self.modes.remove(Algorithm.TLI)
         return None
 
+    def _start_lengths(self, pair) -> dict[Algorithm, int]:
+        """Where the costs were measured at load, each mode's first draft length is the one its bound is best at (for
+        the lookup, with c = 0): on a machine where verifying many tokens costs many steps, the trials that judge a
+        mode are not spent at a length it could never pay at. Otherwise K_START."""
+        costs = pair.memory.get("costs")
+        if not costs:
+            return {}
+        v = {int(k): vk for k, vk in costs["v"].items()}
+        c_of = {m: 0.0 if m.spec.proposes is Proposal.LOOKUP else costs["c"] for m in self.modes if not m.plain}
+        return {m: speedup_bound(c, v)[0] for m, c in c_of.items()}
+
     def k_for(self, mode: Algorithm) -> int:
         if mode.plain:
             return 0
         if self.k_fixed is not None:
             return self.k_fixed
-        return self.model.best_k(mode)[0] if self.model.rounds(mode) >= MIN_TRIES else K_START
+        if self.model.rounds(mode) >= MIN_TRIES:
+            return self.model.best_k(mode)[0]
+        return self.start_k.get(mode, K_START)
 
     def per_token(self, mode: Algorithm) -> float:
         """Expected seconds per emitted token of a mode at its best k (inf while it is unknown)."""
