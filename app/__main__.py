@@ -8,6 +8,7 @@ import os
 import sys
 from pathlib import Path
 
+from usd.catalog import NO_DRAFTER as NO_DRAFTER_ARG
 from usd.catalog import add_pair_arguments
 from usd.serve.main import API_KEY_ENV
 from usd.settings import PRECISIONS
@@ -35,7 +36,7 @@ def create(
     from usd.catalog import load_catalog
     from usd.serve.slots import Slots
 
-    from .pairs import Pairs
+    from .pairs import NO_DRAFTER, Pairs
     from .space import gpu, space_mode
     from .ui import build
     from .v1 import AppService
@@ -53,6 +54,7 @@ def create(
         return build(pairs, stream=remote.stream), pairs
     pairs = Pairs(catalog, space_mode() if space is None else space, device=device, precision=precision)
     target, drafter = target or catalog.default.target, drafter or catalog.default.drafter
+    drafter = NO_DRAFTER if drafter == NO_DRAFTER_ARG else drafter
     try:
         pairs.load(target, drafter, log=log)
     except (ValueError, OSError, RuntimeError) as e:  # LoadError, SpaceModeError, StoreError: say so, keep going

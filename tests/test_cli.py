@@ -334,3 +334,13 @@ def test_bench_leaves_hf_out_of_its_default_algorithms_on_gguf_models(monkeypatc
     assert chosen == [["none", "tli", "slem", "auto"]]
     assert _exit_code(["bench", "--dataset", str(prompts), "--precision", "fp32"]) == 2
     assert chosen[-1] == ["none", "tli", "slem", "auto", "hf"]
+
+
+def test_drafter_none_loads_the_target_alone(capsys):
+    """`--drafter none` (usd generate, usd serve, the app): no drafter model; ngram and plain decoding need none."""
+    from usd.catalog import drafter_arg
+
+    assert drafter_arg("none") is False
+    assert drafter_arg("smollm2-135m-instruct") == "smollm2-135m-instruct" and drafter_arg(None) is None
+    assert _exit_code(["serve", "--help"]) == 0
+    assert "'none': no drafter model" in " ".join(capsys.readouterr().out.split())

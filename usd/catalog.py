@@ -314,9 +314,19 @@ def load_catalog(path: str | os.PathLike | None = None, user_path: str | os.Path
     return parse_catalog(combined, f"{base_path} + {user}")
 
 
+NO_DRAFTER = "none"
+"""`--drafter none`: the target alone, with no drafter model (ngram and plain decoding need none)."""
+
+
+def drafter_arg(value: str | None) -> str | Literal[False] | None:
+    """--drafter as `api.load_pair` takes it: False (load none) for NO_DRAFTER."""
+    return False if value == NO_DRAFTER else value
+
+
 def add_pair_arguments(parser, drafter: bool = True) -> None:
     """--target and --drafter, as every command that loads a pair takes them (usd's commands and the app)."""
     spec = "catalog name, local directory or hub id (default: the catalog's default {})"
     parser.add_argument("--target", help=spec.format("target"))
     if drafter:
-        parser.add_argument("--drafter", help=spec.format("drafter"))
+        no_model = f"; {NO_DRAFTER!r}: no drafter model (ngram and plain decoding need none)"
+        parser.add_argument("--drafter", help=spec.format("drafter") + no_model)

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from . import chat
 from .algorithms import Algorithm
-from .catalog import CatalogError, add_pair_arguments, load_catalog
+from .catalog import CatalogError, add_pair_arguments, drafter_arg, load_catalog
 from .loading import LoadError, check_local_dir, choose_precision, default_device, entry_for, plan_load
 from .settings import (
     ALGORITHMS,
@@ -254,7 +254,7 @@ def cmd_generate(args) -> int:
     _check_models(args, settings.algorithm, catalog)
     pair = api.load_pair(
         args.target,
-        args.drafter if settings.algorithm.uses_drafter else False,
+        drafter_arg(args.drafter) if settings.algorithm.uses_drafter else False,
         catalog=catalog,
         device=args.device,
         precision=args.precision,

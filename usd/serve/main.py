@@ -6,7 +6,7 @@ import argparse
 import os
 import sys
 
-from usd.catalog import add_pair_arguments
+from usd.catalog import add_pair_arguments, drafter_arg
 from usd.settings import PRECISIONS
 
 API_KEY_ENV = "USD_API_KEY"
@@ -58,7 +58,7 @@ def run_cli(args, catalog) -> int:
             f"(set --api-key or ${API_KEY_ENV})"
         )
     pair = api.load_pair(
-        args.target, args.drafter, catalog=catalog, device=args.device, precision=args.precision, log=log
+        args.target, drafter_arg(args.drafter), catalog=catalog, device=args.device, precision=args.precision, log=log
     )
     service = FixedPair(pair, slots=Slots(args.concurrency, args.max_queue), api_key=key)
     log(
