@@ -57,7 +57,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("bench", help="a `usd bench --json` result with a `none` row")
     ap.add_argument("--dataset", required=True, help="the dataset the bench ran (its prompts are rebuilt)")
-    ap.add_argument("--v", default="1.60,2.15,3.86", help="v(1),v(2),v(4): verify cost over a plain step")
+    ap.add_argument("--v", default="1:1.60,2:2.15,4:3.86", help="k:v(k),...: a verify's cost over a plain step")
     args = ap.parse_args()
     result = json.loads(Path(args.bench).read_text())
     catalog = load_catalog()
@@ -65,9 +65,9 @@ def main() -> int:
     tokenizer = load_tokenizer(entry, local_path(entry))
     prompts = {p.id: p for p in load_prompts(args.dataset)}
     answers = [(prompt_ids(tokenizer, prompts[r["prompt"]]), r["target_ids"]) for r in result["prompts"] if r["k"] == 0]
-    v1, v2, v4 = (float(x) for x in args.v.split(","))
-    v = {1: 1.0, 2: v1, 3: v2, 5: v4}  # positions fed -> cost in plain steps
-    print(f"{len(answers)} greedy answers; v(1), v(2), v(4) = {v1}, {v2}, {v4}")
+    given = {int(k): float(x) for k, x in (pair.split(":") for pair in args.v.split(","))}
+    v = {1: 1.0} | {k + 1: x for k, x in given.items()}  # positions fed -> cost in plain steps
+    print(f"{len(answers)} greedy answers; v(k): {given}")
     print("| match lengths | k | tokens per step | per match length n: rounds, kept share |\n|---|---:|---:|---|")
     for n_min, n_max in ((2, 4), (3, 8)):
         for k in (1, 2, 3, 4):
