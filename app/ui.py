@@ -40,10 +40,11 @@ MODELS = "models"
 """The concurrency group of every event that runs or loads models."""
 EMPTY_CHART = None
 """An empty plot starts as None: a plot whose first value is an empty frame never draws its series later."""
-UPDATE_S = 0.25
+UPDATE_S = 0.5
 """The least time between two updates of a streaming view. Each update costs CPU in the app (Gradio's processing of
-every output) and in the browser (drawing them), on a CPU machine the cores the engine decodes on; a few a second is
-what an eye reads, so the rounds in between are merged into one update (the first round goes out at once)."""
+every output) and in the browser (drawing them), on a CPU machine the cores the engine decodes on; two a second still
+read as a stream, so the rounds in between are merged into one update (the first round goes out at once). Measured
+against faster rates in docs/benchmarks.md ("The Chat tab against the engine")."""
 CHART_S = 2.0
 """The per-round chart is drawn again at most this often, and at the end: a redraw costs the browser more than every
 other view together (docs/benchmarks.md, "The Chat tab against the engine")."""

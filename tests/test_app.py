@@ -167,6 +167,22 @@ def open_page(playwright):
     return browser, browser.new_page(viewport={"width": 1400, "height": 1000})
 
 
+def choose(page, algorithm: str, max_new_tokens: int):
+    """Open the settings and set the algorithm and the answer's length; the length's box, to change it again."""
+    from playwright.sync_api import expect
+
+    page.locator("#settings").get_by_text("Settings").first.click()
+    max_new = page.locator("#max-new-tokens input")
+    max_new.fill(str(max_new_tokens))
+    max_new.press("Tab")
+    menu = page.locator("#algorithm input")
+    menu.click()
+    menu.fill(algorithm)
+    menu.press("Enter")
+    expect(menu).to_have_value(algorithm)
+    return max_new
+
+
 @pytest.mark.skipif(
     not shutil.which("chromium") and not os.environ.get("USD_CHAT_REQUIRE_BROWSER"),
     reason="Debian's chromium is installed by .ci/run and ./dev.sh test (.ci/run requires it)",
@@ -178,15 +194,8 @@ def test_browser_chat_shows_coloured_tokens_stats_and_stop_keeps_the_chat(app):
     with sync_playwright() as p:
         browser, page = open_page(p)
         page.goto(url)
-        page.locator("#settings").get_by_text("Settings").first.click()
-        max_new = page.locator("#max-new-tokens input")
-        max_new.fill("48")
-        max_new.press("Tab")
         # slem drafts every round (auto may have learned from earlier tests that plain decoding is faster here)
-        page.locator("#algorithm input").click()
-        page.locator("#algorithm input").fill("slem")
-        page.locator("#algorithm input").press("Enter")
-        expect(page.locator("#algorithm input")).to_have_value("slem")
+        max_new = choose(page, "slem", 48)
         # Enter sends, Shift+Enter breaks the line (the box says "press Enter or Send")
         box = page.locator("#message textarea")
         box.fill("Write a Python function that checks whether a number is prime.")
@@ -242,19 +251,12 @@ def test_browser_chat_shows_coloured_tokens_stats_and_stop_keeps_the_chat(app):
 def test_browser_chat_marks_the_tokens_the_n_gram_lookup_drafted(app):
     """ngram on an answer that copies the message (issue 25 point 5): the tokens it looked up are marked apart from
     the drafter model's, and say on hover where in the conversation they were copied from."""
-    from playwright.sync_api import expect, sync_playwright
+    from playwright.sync_api import sync_playwright
 
     with sync_playwright() as p:
         browser, page = open_page(p)
         page.goto(app[2])
-        page.locator("#settings").get_by_text("Settings").first.click()
-        max_new = page.locator("#max-new-tokens input")
-        max_new.fill("64")
-        max_new.press("Tab")
-        page.locator("#algorithm input").click()
-        page.locator("#algorithm input").fill("ngram")
-        page.locator("#algorithm input").press("Enter")
-        expect(page.locator("#algorithm input")).to_have_value("ngram")
+        choose(page, "ngram", 64)
         page.locator("#message textarea").fill(COPYING)
         page.locator("#send").click()
         page.wait_for_selector("#stats .stop-reason", timeout=240_000)
