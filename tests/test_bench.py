@@ -64,7 +64,7 @@ def test_bench_every_algorithm_json_csv_png(tmp_path, prompts_file, real_paths, 
     assert set(result) >= {"summary", "prompts", "machine", "settings"}
     rows = {r["algorithm"]: r for r in result["summary"]}
     # standard needs one tokenizer for both models: dropped for this pair (it runs in the next test)
-    assert set(rows) == {"none", "tli", "slem", "auto", "hf"}
+    assert set(rows) == {"none", "tli", "slem", "ngram", "auto", "hf"}
     for r in rows.values():
         assert set(SUMMARY_KEYS) <= set(r)
         assert r["identical_to_none"] is True, f"{r['algorithm']} differs from plain greedy"
@@ -76,7 +76,7 @@ def test_bench_every_algorithm_json_csv_png(tmp_path, prompts_file, real_paths, 
     assert rows["none"]["speedup_vs_none"] == pytest.approx(1.0)
     assert rows["hf"]["acceptance_rate"] is None and rows["none"]["acceptance_rate"] is None
     assert rows["hf"]["predicted_speedup"] is None and rows["none"]["predicted_speedup"] is None
-    assert len(result["prompts"]) == 2 * 5
+    assert len(result["prompts"]) == 2 * len(rows)  # every prompt under every algorithm
     assert result["machine"]["target"] == "qwen2.5-coder-0.5b-instruct"
     with open(tmp_path / "out.csv") as f:
         table = list(csv.DictReader(f))
