@@ -25,6 +25,7 @@ SMOL = "smollm2-135m-instruct"
 N_CTX = 512
 """The server's context, small so that a prompt can overflow it cheaply."""
 PROMPT = "Write a Python function that returns the square of a number."
+COUNTING = "Count from 1 to 300, one number per line."
 REQUIRE_ENV = "USD_CHAT_REQUIRE_LLAMA_SERVER"
 """Set (by .ci/run): a missing llama_cpp.server fails the tests instead of skipping them."""
 
@@ -104,11 +105,12 @@ def servers_own_answer(url: str, prompt: str, n: int) -> str:
 
 
 def test_a_chat_streams_the_servers_own_answer_and_the_stats_name_what_it_did_not_report(server, ui):
-    job = ui.submit(prompt=PROMPT, max_new_tokens=24, api_name="/generate")
+    # long enough to span a few of the UI's updates (app/ui.py UPDATE_S), and to end at max_tokens
+    job = ui.submit(prompt=COUNTING, max_new_tokens=44, api_name="/generate")
     updates = list(job)
     text, pieces, stats = job.result()
     assert len(updates) >= 3, "the answer must stream"
-    assert text == servers_own_answer(server, PROMPT, 24)  # greedy: exactly what the server generates alone
+    assert text == servers_own_answer(server, COUNTING, 44)  # greedy: exactly what the server generates alone
     assert "".join(p["text"] for p in pieces) == text and {p["kind"] for p in pieces} == {"target"}
     assert stats["stop_reason"] == "max_tokens" and stats["algorithm"] == "server"
     assert {"acceptance_rate", "k", "c", "v", "theoretical_speedup", "tokens"} <= set(stats["unreported"])
@@ -145,7 +147,7 @@ def test_stop_cancels_the_servers_answer(app, server):
     assert time.perf_counter() - stopped_at < 10, "Stop must end the answer, not let the server run to 600 tokens"
     answer = history[-1]["content"]
     assert answer.endswith(STOPPED) and "stopped: cancelled" in panel
-    assert len(answer) < len(servers_own_answer(server, "Count from 1 to 300, one number per line.", 600))
+    assert len(answer) < len(servers_own_answer(server, COUNTING, 600))
     *_, (history, *_) = h.chat_send("Say hello.", [], "auto", "auto", 0, 1, 0, None, 8, _request("after"))
     assert history[-1]["content"] == servers_own_answer(server, "Say hello.", 8)  # the server serves on
 
