@@ -20,7 +20,7 @@ import torch
 
 from .runners import is_own_runner
 from .runners.transformers.cpu_kernels import busy, read_choices, write_choices
-from .schedule import speedup_bound
+from .schedule import measured_v, speedup_bound
 from .vocab import ceiling_of
 
 FED = (5, 3, 2)
@@ -122,14 +122,10 @@ def costs_for(pair, cache_dir: Path | None, log=print) -> dict | None:
     else:
         log(f"{pair.drafter_name}: c and v(k) measured here before: {describe(costs)}")
     costs = dict(costs)
-    if not pair.same_tokenizer and speedup_bound(costs["c"], _v(costs))[1] >= 1:
+    if not pair.same_tokenizer and speedup_bound(costs["c"], measured_v(costs))[1] >= 1:
         # only where a full acceptance could pay is tli's own cap worth its vocabulary alignment (a second or two)
         costs["tli_ceiling"] = ceiling_of(pair.target_tokenizer, set(pair.intersection()[1].tolist()))
     return costs
-
-
-def _v(costs: dict) -> dict[int, float]:
-    return {int(k): v for k, v in costs["v"].items()}
 
 
 def _valid(costs) -> bool:
@@ -140,8 +136,8 @@ def _valid(costs) -> bool:
 
 
 def describe(costs: dict) -> str:
-    vs = ", ".join(f"v({k}) {v:.2f}" for k, v in sorted(_v(costs).items()))
-    k, bound = speedup_bound(costs["c"], _v(costs))
+    vs = ", ".join(f"v({k}) {v:.2f}" for k, v in sorted(measured_v(costs).items()))
+    k, bound = speedup_bound(costs["c"], measured_v(costs))
     verdict = "speculation can pay" if bound >= 1 else "no draft length can pay: auto decodes plainly"
     return (
         f"target step {costs['step_s'] * 1e3:.1f} ms, c {costs['c']:.2f}, {vs}; at most {bound:.2f}x with every "

@@ -81,6 +81,11 @@ def speedup_bound(c: float, v: dict[int, float], ceiling: float = 1.0, k_max: in
     return best_k(ceiling, c, lambda k: interpolate(known, k + 1), range(1, k_max + 1))
 
 
+def measured_v(costs: dict) -> dict[int, float]:
+    """{k: v(k)} of the costs measured at load (usd/costs.py keeps k as a string, for JSON)."""
+    return {int(k): vk for k, vk in costs["v"].items()}
+
+
 def interpolate(known: dict[int, float], n: int) -> float:
     """A forward's time (or cost) over n positions from the lengths measured: the measured value, interpolated between
     measured lengths, extrapolated along the last measured slope beyond them (never assumed flat or linear)."""
@@ -140,10 +145,11 @@ class CostModel:
         self.verify = memory.setdefault("verify", {})  # str(n) -> the last WINDOW [seconds, seconds / step then]
         self.modes = memory.setdefault("modes", {})  # mode -> {"draft", "c", "other", "hits", "rounds"}
         memory.setdefault("observed", 0)  # rounds observed into this memory, by any generation of the pair
-        self._known: tuple[int, float | None, dict[int, float]] | None = None
-        """(observed, the plain step, V's known lengths) as of the last `V`: a round's choice asks V dozens of times,
-        and the medians behind it change only when a round is observed."""
-        self._best_k: dict[tuple, tuple[int, float | None]] = {}
+        self._as_of: int | None = None
+        """The `observed` count the two caches below hold for: a round's choice asks for V and each mode's best k
+        dozens of times, and the medians behind them change only when a round is observed."""
+        self._known: tuple[float | None, dict[int, float]] | None = None
+        self._best_k: dict[tuple[str, int], tuple[int, float | None]] = {}
 
     def _mode(self, mode: str) -> dict:
         cells = ("draft", "c", "other", "hits")
@@ -188,9 +194,15 @@ class CostModel:
             return step * interpolate(known, n)
         return interpolate(known, n) if known else None
 
+    def _fresh(self) -> None:
+        """Drop the caches once another round has been observed into the memory."""
+        if self._as_of != self.memory["observed"]:
+            self._as_of, self._known, self._best_k = self.memory["observed"], None, {}
+
     def _lengths(self) -> tuple[float | None, dict[int, float]]:
         """The plain step and V's measured lengths: ratios to the step (with 1: 1.0), or seconds without a step."""
-        if self._known is None or self._known[0] != self.memory["observed"]:
+        self._fresh()
+        if self._known is None:
             step = self.step()
             if step is not None:
                 cells_of = self.verify.items()
@@ -199,8 +211,8 @@ class CostModel:
             else:
                 absolute = {int(key): median([t for t, _ in cells]) for key, cells in self.verify.items() if cells}
                 known = {n_pos: t for n_pos, t in absolute.items() if t is not None}
-            self._known = (self.memory["observed"], step, known)
-        return self._known[1], self._known[2]
+            self._known = (step, known)
+        return self._known
 
     def draft_step(self, mode: str) -> float:
         """The drafter's step in seconds: its ratio to the plain steps near it, times the plain step now."""
@@ -224,10 +236,10 @@ class CostModel:
         return tau(alpha, k) / cost if alpha is not None and cost else None
 
     def best_k(self, mode: str, k_max: int = K_MAX) -> tuple[int, float | None]:
-        key = (self.memory["observed"], mode, k_max)
-        if key not in self._best_k:  # asked several times for each round's choice; it changes as rounds are observed
-            self._best_k = {k: v for k, v in self._best_k.items() if k[0] == key[0]} | {key: self._best_of(mode, k_max)}
-        return self._best_k[key]
+        self._fresh()
+        if (mode, k_max) not in self._best_k:
+            self._best_k[(mode, k_max)] = self._best_of(mode, k_max)
+        return self._best_k[(mode, k_max)]
 
     def _best_of(self, mode: str, k_max: int) -> tuple[int, float | None]:
         rates = [(self.rate(mode, k), k) for k in range(1, k_max + 1)]
@@ -303,7 +315,7 @@ class Schedule:
         costs = pair.memory.get("costs")
         if not costs:
             return None
-        c, v = costs["c"], {int(k): vk for k, vk in costs["v"].items()}
+        c, v = costs["c"], measured_v(costs)
         if speedup_bound(0.0, v)[1] < 1:
             self.modes = [m for m in self.modes if m.spec.proposes is not Proposal.LOOKUP]
         k, speedup = speedup_bound(c, v)
@@ -322,7 +334,7 @@ class Schedule:
         costs = pair.memory.get("costs")
         if not costs:
             return {}
-        v = {int(k): vk for k, vk in costs["v"].items()}
+        v = measured_v(costs)
         c_of = {m: 0.0 if m.spec.proposes is Proposal.LOOKUP else costs["c"] for m in self.modes if not m.plain}
         return {m: speedup_bound(c, v)[0] for m, c in c_of.items()}
 
