@@ -19,7 +19,7 @@ import gradio as gr
 import pandas as pd
 
 from usd import api, suggest
-from usd.algorithms import PLAIN
+from usd.algorithms import PLAIN, Algorithm
 from usd.chat import check_prompt
 from usd.errors import Failed, InternalError
 from usd.loading import LoadError
@@ -45,9 +45,10 @@ UPDATE_S = 0.5
 every output) and in the browser (drawing them), on a CPU machine the cores the engine decodes on; two a second still
 read as a stream, so the rounds in between are merged into one update (the first round goes out at once). Measured
 against faster rates in docs/benchmarks.md ("The Chat tab against the engine")."""
-CHART_S = 2.0
-"""The per-round chart is drawn again at most this often, and at the end: a redraw costs the browser more than every
-other view together (docs/benchmarks.md, "The Chat tab against the engine")."""
+CHART_S = 5.0
+"""The per-round chart is drawn again at most this often, and at the end: a redraw (the app's processing of every row,
+then the browser's drawing) costs more than every other view together, and every two seconds it slowed a plain answer
+in the browser by a sixth on two cores (docs/benchmarks.md, "The Chat tab against the engine")."""
 CHAT_S = 1.0
 """The chat's answer bubble is updated at most this often, and at the end: each update has the browser render the
 whole answer's Markdown again and highlight its code, while the token view beside it shows every new piece."""
@@ -247,7 +248,8 @@ class ChatViews:
     def update(self, live: render.Live) -> tuple:
         done = live.finished is not None
         chart = gr.skip()
-        if self.chart.due(done):
+        # a plain answer's rounds are all alike (one token, nothing drafted): its chart is drawn once, at the end
+        if self.chart.due(done) and (done or not Algorithm(live.algorithm).plain):
             chart = pd.DataFrame(live.chart) if live.chart else EMPTY_CHART
         stats = render.stats_html(live.numbers(), live.algorithm)
         return self.tokens.update(live.pieces, whole=done), stats, chart

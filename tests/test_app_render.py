@@ -549,6 +549,31 @@ def test_the_chart_legend_says_what_its_lines_are():
     assert {r["series"] for r in live.chart} == {"drafted tokens accepted", "tokens emitted"}
 
 
+def test_the_chart_is_drawn_while_speculating_and_a_plain_answer_s_only_at_its_end():
+    import gradio as gr
+
+    from app.ui import ChatViews
+
+    def charts(algorithm, rounds):
+        views, live = ChatViews(), render.Live(algorithm)
+        for r in rounds:
+            live.add(r)
+            yield views.update(live)[2]
+
+    def drawn(chart) -> bool:
+        return not (isinstance(chart, dict) and chart == gr.skip())
+
+    spec = with_stats([spec_round(i, ["a"], [], "b", "bonus") for i in range(3)])
+    assert drawn(next(charts("tli", spec)))  # the first round's chart goes out at once
+    plain = with_stats([plain_round(i) for i in range(3)])
+    assert not any(drawn(c) for c in charts("none", plain))
+    views, live = ChatViews(), render.Live("none")
+    for r in plain:
+        live.add(r)
+    live.add(Finished("aaa", (1, 1, 1), live.stats))
+    assert len(views.update(live)[2]) == 2 * len(plain)  # at the end: every round's two rows
+
+
 def test_the_token_view_is_sent_only_its_new_pieces_and_the_whole_answer_at_the_end():
     feed, pieces = render.TokenFeed(), [piece("a", "target", 0)]
     first = feed.update(pieces)
