@@ -78,10 +78,12 @@ def launch(demo, host: str, port: int | None, share: bool = False, concurrency: 
     from usd.serve.limits import BodyLimit
     from usd.serve.routes import create_router
 
+    from .page import PageScript
+
     demo.queue(default_concurrency_limit=concurrency, max_size=max_queue, api_open=False)
     demo.delete_cache = demo.delete_cache or (CACHE_CHECK_S, CACHE_CHECK_S)
     app_kwargs = dict(kwargs.pop("app_kwargs", None) or {})
-    app_kwargs["middleware"] = [*app_kwargs.get("middleware", []), Middleware(BodyLimit)]
+    app_kwargs["middleware"] = [*app_kwargs.get("middleware", []), Middleware(BodyLimit), Middleware(PageScript)]
     service = getattr(demo, "usd_v1", None)
     if service is not None:  # the /v1 routes, in Gradio's own FastAPI app from its start, sharing the UI's slots
         service.slots.configure(concurrency, max_queue)

@@ -268,6 +268,33 @@ def test_browser_chat_marks_the_tokens_the_n_gram_lookup_drafted(app):
         browser.close()
 
 
+@pytest.mark.skipif(
+    not shutil.which("chromium") and not os.environ.get("USD_CHAT_REQUIRE_BROWSER"),
+    reason="Debian's chromium is installed by .ci/run and ./dev.sh test (.ci/run requires it)",
+)
+def test_browser_an_idle_page_draws_almost_no_frames(app, tmp_path):
+    """Gradio's status trackers time their label in a requestAnimationFrame loop that runs on an idle page, 60 frames
+    a second on the cores the engine needs (app/page.py slows it to 4): counted here in Chromium's own trace."""
+    import json
+
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as p:
+        browser, page = open_page(p)
+        page.goto(app[2])
+        page.wait_for_selector("#send")
+        time.sleep(6)  # the page settles (its first animations: tabs, loaders)
+        trace = tmp_path / "trace.json"
+        browser.start_tracing(page=page, path=str(trace), categories=["devtools.timeline"])
+        time.sleep(2)
+        browser.stop_tracing()
+        browser.close()
+    events = json.loads(trace.read_text())
+    events = events["traceEvents"] if isinstance(events, dict) else events
+    frames = sum(1 for e in events if e.get("name") == "FireAnimationFrame")
+    assert frames < 20, f"{frames} animation frames in 2 s of an idle page"
+
+
 COPYING = (
     "Rename the function below to `total` and change nothing else. Reply with the code only.\n\n"
     "```python\ndef add_all(numbers):\n    result = 0\n    for n in numbers:\n        result += n\n"
