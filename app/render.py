@@ -175,9 +175,10 @@ class Live:
             out["measured_speedup"] = s.tokens_per_s / self.baseline_tokens_per_s
             out["speedup_basis"] = "against plain decoding measured earlier on this pair"
         elif s.plain_step_speedup is not None:
-            # No plain run to compare with yet: the plain steps inside this answer give plain decoding's rate.
+            # No plain run to compare with yet: the target's plain step (this answer's, or the one timed at load
+            # while the answer has few) gives plain decoding's rate.
             out["measured_speedup"] = s.plain_step_speedup
-            out["speedup_basis"] = "estimated from this answer's plain steps"
+            out["speedup_basis"] = "estimated from the target's plain step"
         return out
 
 

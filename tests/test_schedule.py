@@ -92,6 +92,22 @@ def test_the_cost_model_picks_the_k_the_formula_says():
     assert model.expected_speedup("tli", k) == pytest.approx(rate * world.verify(1))
 
 
+def test_a_first_plain_step_slowed_by_other_work_does_not_make_verifies_look_cheap():
+    """Until MIN_PLAIN_STEPS steps are measured, the step timed at load is what a verify is compared with: one first
+    step slowed by the browser drawing the page (0.4 s where a step takes 0.1) made a 2-token verify look like
+    half a step, and the panel expect a fixed slem 7.9x where it ran at 0.44x."""
+    from usd.tally import MIN_PLAIN_STEPS
+
+    model = CostModel({}, step_at_load=0.1)
+    model.observe(RoundRecord("none", 0, 0, 0, verify_s=0.4))
+    model.observe(RoundRecord("tli", 1, 1, 1, draft_steps=1, draft_s=0.03, verify_s=0.18))
+    assert model.step() == 0.1
+    assert model.V(2) == pytest.approx(0.18)
+    for _ in range(MIN_PLAIN_STEPS):
+        model.observe(RoundRecord("none", 0, 0, 0, verify_s=0.12))
+    assert model.step() == pytest.approx(0.12)
+
+
 def test_speculates_at_the_best_k_where_it_pays():
     s = Schedule(fake_pair(), "auto", "auto")
     chosen = World(**PAYS).run(s, 300)[100:]

@@ -199,6 +199,27 @@ def test_round_0_is_neither_a_step_nor_a_verify_of_its_k_in_the_stats():
     assert (stats.c, stats.v, stats.mean_k) == (pytest.approx(1.0), pytest.approx(2.0), 3.0)
 
 
+def test_an_answer_with_few_plain_steps_measures_c_and_v_in_the_step_timed_at_load():
+    """One plain step slowed by other work (0.4 s where a step takes 0.1) made the README's screenshot show a verify
+    cheaper than a step and a gain where there was a loss; until the answer has MIN_PLAIN_STEPS of its own, the
+    step timed at load is the unit, and from then on the answer's own."""
+    from usd.record import RoundRecord
+    from usd.tally import MIN_PLAIN_STEPS, Tally
+
+    def tally_of(plain_steps: list[float]) -> Tally:
+        tally = Tally("tli", step_at_load=0.1)
+        tally.record(RoundRecord("none", 0, 0, 0, verify_s=0.001, fed=0))
+        for s in plain_steps:
+            tally.record(RoundRecord("none", 0, 0, 0, verify_s=s, fed=1))
+        tally.record(RoundRecord("tli", 2, 2, 1, draft_steps=2, draft_s=0.06, verify_s=0.18, fed=3))
+        return tally
+
+    few = tally_of([0.4]).stats(4, None, 0.0, None)
+    assert (few.step_s, few.c, few.v) == (0.1, pytest.approx(0.3), pytest.approx(1.8))
+    own = tally_of([0.12] * MIN_PLAIN_STEPS).stats(7, None, 0.0, None)
+    assert own.step_s == pytest.approx(0.12) and own.v == pytest.approx(1.5)
+
+
 @pytest.mark.parametrize("key", list(ALGORITHMS))
 def test_speculation_both_accepts_and_rejects(pairs, key):
     """Over all prompts, each drafting algorithm's drafts are partly kept and partly thrown away: the identity above

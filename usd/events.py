@@ -133,7 +133,8 @@ class Stats:
     drafting_stopped: str | None = None
     """Why drafting stopped before the answer ended (the drafter's context was full), in plain words; else None."""
     step_s: float | None = None
-    """The target's mean plain step in seconds (the unit of c and v; None until a plain step has run)."""
+    """The target's plain step in seconds, the unit of c and v: the mean of this answer's, or the step timed at load
+    while the answer has fewer than tally.MIN_PLAIN_STEPS (None until either is known)."""
     unreported: tuple[str, ...] = ()
     """What the generation's source did not report, as the UI's stats keys (acceptance_rate, c, ...): a third-party
     server behind the app reports few of the engine's numbers, and a number it did not send is no zero."""

@@ -32,6 +32,7 @@ from __future__ import annotations
 from .algorithms import PLAIN, Algorithm, Proposal, auto_modes
 from .events import Bound
 from .record import RoundRecord
+from .tally import MIN_PLAIN_STEPS
 from .theory import best_k, tau
 
 K_START = 4
@@ -139,8 +140,10 @@ class CostModel:
     drafter's step likewise. So other work that slows the machine for a while slows the estimates of plain and
     speculative rounds alike, instead of making whichever was measured in the quiet look cheap."""
 
-    def __init__(self, memory: dict):
+    def __init__(self, memory: dict, step_at_load: float | None = None):
         self.memory = memory
+        self.step_at_load = step_at_load
+        """The target's step timed at load (usd/costs.py): the reference until MIN_PLAIN_STEPS steps are measured."""
         self.steps = memory.setdefault("steps", [])  # seconds of the last WINDOW forwards over one position
         self.verify = memory.setdefault("verify", {})  # str(n) -> the last WINDOW [seconds, seconds / step then]
         self.modes = memory.setdefault("modes", {})  # mode -> {"draft", "c", "other", "hits", "rounds"}
@@ -156,7 +159,10 @@ class CostModel:
         return self.modes.setdefault(mode, {**{c: [0.0, 0.0] for c in cells}, "rounds": 0})
 
     def step(self) -> float | None:
-        """The target's single step: the median of the recent ones."""
+        """The target's single step: the median of the recent ones (the one timed at load while there are few: a
+        first step slowed by other work made every verify after it look cheap)."""
+        if len(self.steps) < MIN_PLAIN_STEPS and self.step_at_load:
+            return self.step_at_load
         return median(self.steps)
 
     def observe(self, r: RoundRecord) -> None:
@@ -282,7 +288,7 @@ class Schedule:
         """A plain round has fed a position: its time is the step behind c and v (round 0 feeds none, see decoder)."""
         self.round = 0
         memory = pair.memory.setdefault("schedule", {})
-        self.model = CostModel(memory)
+        self.model = CostModel(memory, (pair.memory.get("costs") or {}).get("step_s"))
         self.gap = memory.setdefault("gap", {})  # mode -> rounds to wait before probing it again
         # rounds since each mode last ran, counted across generations: a probe costs a drafter prefill and catch-up,
         # so restarting the count per generation would probe in every answer

@@ -13,9 +13,18 @@ def _mean(xs: list[float]) -> float | None:
     return sum(xs) / len(xs) if xs else None
 
 
+MIN_PLAIN_STEPS = 4
+"""Plain steps measured before they are the unit of c and v (an answer's, here; auto's cost model's, in schedule.py);
+until then the step timed at load is. An answer that drafts in almost every round has one or two plain steps, and
+one slowed by other work (the browser drawing the page the answer starts in) made its verify look cheaper than a step
+and its loss a gain."""
+
+
 class Tally:
-    def __init__(self, algorithm: str):
+    def __init__(self, algorithm: str, step_at_load: float | None = None):
         self.algorithm = algorithm
+        self.step_at_load = step_at_load
+        """The target's step timed at load (usd/costs.py): the unit while the answer has fewer than MIN_PLAIN_STEPS."""
         self.started = time.perf_counter()
         self.rounds = self.drafted = self.accepted = self.drafting_rounds = 0
         self.by_algorithm: dict[str, int] = {}
@@ -43,6 +52,8 @@ class Tally:
 
     def stats(self, tokens: int, stop_reason: str | None, forward_s: float, drafting_stopped: str | None) -> Stats:
         step, draft_step, verify = _mean(self.step_s), _mean(self.draft_step_s), _mean(self.verify_s)
+        if len(self.step_s) < MIN_PLAIN_STEPS and self.step_at_load:
+            step = self.step_at_load
         c = draft_step / step if step and draft_step is not None else None
         v = verify / step if step and verify is not None else None
         return Stats(
