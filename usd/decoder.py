@@ -289,7 +289,7 @@ class Generation:
         self.schedule = Schedule(pair, algorithm, k, probe_first, seeded_sampling=seeded, lookup=looks_up)
         base_seed = params.seed if params.seed is not None else secrets.randbits(63)
         rng = Randomness(make_generator(params.seed, DRAFTER_STREAM), base_seed)
-        self.tally = Tally(algorithm, (pair.memory.get("costs") or {}).get("step_s"))
+        self.tally = Tally(algorithm, self.schedule.model.step_at_load)
         self.target = pair.target_runner.new_context(prompt_ids)
         self.prompt_len = len(prompt_ids)
         self.lookup = NgramIndex(prompt_ids) if looks_up else None

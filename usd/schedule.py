@@ -32,7 +32,7 @@ from __future__ import annotations
 from .algorithms import PLAIN, Algorithm, Proposal, auto_modes
 from .events import Bound
 from .record import RoundRecord
-from .tally import MIN_PLAIN_STEPS
+from .tally import reference_step
 from .theory import best_k, tau
 
 K_START = 4
@@ -161,9 +161,7 @@ class CostModel:
     def step(self) -> float | None:
         """The target's single step: the median of the recent ones (the one timed at load while there are few: a
         first step slowed by other work made every verify after it look cheap)."""
-        if len(self.steps) < MIN_PLAIN_STEPS and self.step_at_load:
-            return self.step_at_load
-        return median(self.steps)
+        return reference_step(self.steps, median, self.step_at_load)
 
     def observe(self, r: RoundRecord) -> None:
         """A forward that fed no position (round 0's plain one) tells nothing of V."""

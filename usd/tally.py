@@ -20,6 +20,14 @@ one slowed by other work (the browser drawing the page the answer starts in) mad
 and its loss a gain."""
 
 
+def reference_step(steps: list[float], typical, at_load: float | None) -> float | None:
+    """The target's step that c and v are measured in: `typical` (mean or median) of the steps measured, or the step
+    timed at load while fewer than MIN_PLAIN_STEPS are."""
+    if len(steps) < MIN_PLAIN_STEPS and at_load:
+        return at_load
+    return typical(steps)
+
+
 class Tally:
     def __init__(self, algorithm: str, step_at_load: float | None = None):
         self.algorithm = algorithm
@@ -51,9 +59,8 @@ class Tally:
             self.draft_step_s.append(r.draft_s / r.draft_steps)
 
     def stats(self, tokens: int, stop_reason: str | None, forward_s: float, drafting_stopped: str | None) -> Stats:
-        step, draft_step, verify = _mean(self.step_s), _mean(self.draft_step_s), _mean(self.verify_s)
-        if len(self.step_s) < MIN_PLAIN_STEPS and self.step_at_load:
-            step = self.step_at_load
+        step = reference_step(self.step_s, _mean, self.step_at_load)
+        draft_step, verify = _mean(self.draft_step_s), _mean(self.verify_s)
         c = draft_step / step if step and draft_step is not None else None
         v = verify / step if step and verify is not None else None
         return Stats(
