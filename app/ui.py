@@ -238,21 +238,34 @@ class Every:
 class ChatViews:
     """The chat tab's token view, stats and chart for one generation, as updates that cost what changed: the token
     view gets the new pieces, the chart is drawn again at most every CHART_S and the chat's answer every CHAT_S (both
-    at the end too)."""
+    at the end too).
 
-    def __init__(self):
+    A view that is not due gets the very value it was last sent, which Gradio's stream diff turns into nothing on the
+    wire. Not gr.skip(): Gradio reads a skip as a property update, builds the component afresh and its API schema for
+    it (a few ms of the app's CPU each), and then sends the view's next value whole instead of as a diff."""
+
+    def __init__(self, shown: list):
+        self.shown = shown
+        """The chat as the user sees it: the history and the new message."""
         self.tokens = render.TokenFeed()
         self.chart = Every(CHART_S)
         self.chat = Every(CHAT_S)
+        self.chat_sent: list = shown
+        self.chart_sent = EMPTY_CHART
 
     def update(self, live: render.Live) -> tuple:
+        """(chat, message box, token view, stats, chart) for the answer so far."""
         done = live.finished is not None
-        chart = gr.skip()
+        if self.chat.due(done):
+            answer = render.answer_text(live)
+            if live.finished is not None and live.finished.stats.stop_reason == "cancelled":
+                answer += STOPPED
+            self.chat_sent = [*self.shown, {"role": "assistant", "content": answer}]
         # a plain answer's rounds are all alike (one token, nothing drafted): its chart is drawn once, at the end
         if self.chart.due(done) and (done or not Algorithm(live.algorithm).plain):
-            chart = pd.DataFrame(live.chart) if live.chart else EMPTY_CHART
+            self.chart_sent = pd.DataFrame(live.chart) if live.chart else EMPTY_CHART
         stats = render.stats_html(live.numbers(), live.algorithm)
-        return self.tokens.update(live.pieces, whole=done), stats, chart
+        return self.chat_sent, "", self.tokens.update(live.pieces, whole=done), stats, self.chart_sent
 
 
 def column(live: render.Live | None, label: str, tokens: render.TokenFeed) -> tuple[dict, str]:
@@ -362,17 +375,10 @@ class Handlers:
         messages.append({"role": "user", "content": prompt})
         session = request.session_hash if request else "api"
         cancel = self.cancels.start(session)
-        shown = [*history, {"role": "user", "content": prompt}]
-        views = ChatViews()
+        views = ChatViews([*history, {"role": "user", "content": prompt}])
         try:
             for live in self.run(s, messages=messages, cancel=cancel):
-                chat = gr.skip()
-                if views.chat.due(live.finished is not None):
-                    answer = render.answer_text(live)
-                    if live.finished is not None and live.finished.stats.stop_reason == "cancelled":
-                        answer += STOPPED
-                    chat = [*shown, {"role": "assistant", "content": answer}]
-                yield (chat, "", *views.update(live))
+                yield views.update(live)
         finally:
             self.cancels.end(session, cancel)
 

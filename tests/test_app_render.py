@@ -550,28 +550,57 @@ def test_the_chart_legend_says_what_its_lines_are():
 
 
 def test_the_chart_is_drawn_while_speculating_and_a_plain_answer_s_only_at_its_end():
-    import gradio as gr
-
-    from app.ui import ChatViews
+    from app.ui import EMPTY_CHART, ChatViews
 
     def charts(algorithm, rounds):
-        views, live = ChatViews(), render.Live(algorithm)
+        views, live = ChatViews([]), render.Live(algorithm)
         for r in rounds:
             live.add(r)
-            yield views.update(live)[2]
-
-    def drawn(chart) -> bool:
-        return not (isinstance(chart, dict) and chart == gr.skip())
+            yield views.update(live)[4]
 
     spec = with_stats([spec_round(i, ["a"], [], "b", "bonus") for i in range(3)])
-    assert drawn(next(charts("tli", spec)))  # the first round's chart goes out at once
+    assert next(charts("tli", spec)) is not EMPTY_CHART  # the first round's chart goes out at once
     plain = with_stats([plain_round(i) for i in range(3)])
-    assert not any(drawn(c) for c in charts("none", plain))
-    views, live = ChatViews(), render.Live("none")
+    assert all(c is EMPTY_CHART for c in charts("none", plain))
+    views, live = ChatViews([]), render.Live("none")
     for r in plain:
         live.add(r)
     live.add(Finished("aaa", (1, 1, 1), live.stats))
-    assert len(views.update(live)[2]) == 2 * len(plain)  # at the end: every round's two rows
+    assert len(views.update(live)[4]) == 2 * len(plain)  # at the end: every round's two rows
+
+
+def test_views_that_are_not_due_put_nothing_on_the_wire():
+    """Through Gradio's own postprocessing and stream diff, as the chat's event sends them: between its due times the
+    chat and the chart send nothing (no whole value, no property update), and the chat's next due update is an
+    append to the answer, not the whole chat again."""
+    import asyncio
+
+    import gradio as gr
+    from gradio.state_holder import SessionState
+
+    from app.ui import ChatViews, _chat_tab
+
+    with gr.Blocks() as demo:
+        chat = _chat_tab()
+        gr.Button().click(lambda: None, None, chat.outputs)
+    fn, state = demo.fns[max(demo.fns)], SessionState(demo)
+
+    async def on_the_wire(update):
+        data = await demo.postprocess_data(fn, list(update), state)
+        return demo.handle_streaming_diffs(fn, data, "session", "run", final=False)
+
+    views, live = ChatViews([{"role": "user", "content": "hi"}]), render.Live("tli")
+    rounds = with_stats([spec_round(i, ["a"], [], "b", "bonus") for i in range(4)])
+    sent = []
+    for r in rounds[:-1]:
+        live.add(r)
+        sent.append(asyncio.run(on_the_wire(views.update(live))))
+    for wire in sent[1:]:  # within CHAT_S and CHART_S of the first update
+        assert wire[0] == [] and wire[4] == [], wire
+    live.add(rounds[-1])
+    live.add(Finished("abababab", tuple(range(8)), live.stats))
+    chat_edits = asyncio.run(on_the_wire(views.update(live)))[0]
+    assert chat_edits and all(op == "append" for op, *_ in chat_edits), chat_edits
 
 
 def test_the_token_view_is_sent_only_its_new_pieces_and_the_whole_answer_at_the_end():
