@@ -240,9 +240,11 @@ class ChatViews:
     view gets the new pieces, the chart is drawn again at most every CHART_S and the chat's answer every CHAT_S (both
     at the end too).
 
-    A view that is not due gets the very value it was last sent, which Gradio's stream diff turns into nothing on the
-    wire. Not gr.skip(): Gradio reads a skip as a property update, builds the component afresh and its API schema for
-    it (a few ms of the app's CPU each), and then sends the view's next value whole instead of as a diff."""
+    The chat, when not due, gets the very value it was last sent, which Gradio's stream diff turns into nothing on the
+    wire. Not gr.skip(): Gradio reads a skip as a property update, builds the component afresh with its API schema (a
+    few ms of the app's CPU), and then sends the chat's next value whole, which the page renders whole. The chart,
+    when not due, is skipped all the same: the page's plot draws its chart again on every value it is sent, unchanged
+    or not, which costs far more than the skip (docs/benchmarks.md, "The Chat tab against the engine")."""
 
     def __init__(self, shown: list):
         self.shown = shown
@@ -251,7 +253,6 @@ class ChatViews:
         self.chart = Every(CHART_S)
         self.chat = Every(CHAT_S)
         self.chat_sent: list = shown
-        self.chart_sent = EMPTY_CHART
 
     def update(self, live: render.Live) -> tuple:
         """(chat, message box, token view, stats, chart) for the answer so far."""
@@ -261,11 +262,12 @@ class ChatViews:
             if live.finished is not None and live.finished.stats.stop_reason == "cancelled":
                 answer += STOPPED
             self.chat_sent = [*self.shown, {"role": "assistant", "content": answer}]
+        chart = gr.skip()
         # a plain answer's rounds are all alike (one token, nothing drafted): its chart is drawn once, at the end
         if self.chart.due(done) and (done or not Algorithm(live.algorithm).plain):
-            self.chart_sent = pd.DataFrame(live.chart) if live.chart else EMPTY_CHART
+            chart = pd.DataFrame(live.chart) if live.chart else EMPTY_CHART
         stats = render.stats_html(live.numbers(), live.algorithm)
-        return self.chat_sent, "", self.tokens.update(live.pieces, whole=done), stats, self.chart_sent
+        return self.chat_sent, "", self.tokens.update(live.pieces, whole=done), stats, chart
 
 
 def column(live: render.Live | None, label: str, tokens: render.TokenFeed) -> tuple[dict, str]:
