@@ -236,9 +236,9 @@ class Every:
 
 
 class ChatViews:
-    """The chat tab's token view, stats and chart for one generation, as updates that cost what changed: the token
-    view gets the new pieces, the chart is drawn again at most every CHART_S and the chat's answer every CHAT_S (both
-    at the end too).
+    """The chat tab's views for one generation (the chat, the token view, the stats and the chart), as updates that
+    cost what changed: the token view gets the new pieces, the chart is drawn again at most every CHART_S and the
+    chat's answer every CHAT_S (both at the end too).
 
     The chat, when not due, gets the very value it was last sent, which Gradio's stream diff turns into nothing on the
     wire. Not gr.skip(): Gradio reads a skip as a property update, builds the component afresh with its API schema (a
