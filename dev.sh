@@ -31,8 +31,12 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
             "on two idle cores, longer on busy ones, once: pip caches the built wheel" >&2
     fi
     # without the multimodal library (mtmd), which usd-chat does not use: a fifth less to compile. llama-cpp-python
-    # leaves llama.cpp's server, tools, examples, tests and curl out by itself.
-    CMAKE_ARGS="${CMAKE_ARGS:--DLLAVA_BUILD=OFF}" "$py" -m pip install -q --disable-pip-version-check -e ".[llamacpp]"
+    # leaves llama.cpp's server, tools, examples, tests and curl out by itself. Without llama.cpp's AMX kernels, which
+    # -march=native turns on where the CPU reports AMX: the runner's exactness rule does not cover them, and on an
+    # AMX machine here their first tile load died with a general protection fault (usd/runners/llamacpp/binding.py).
+    no_amx="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+    CMAKE_ARGS="${CMAKE_ARGS:--DLLAVA_BUILD=OFF -DCMAKE_C_FLAGS='$no_amx' -DCMAKE_CXX_FLAGS='$no_amx'}" \
+        "$py" -m pip install -q --disable-pip-version-check -e ".[llamacpp]"
     touch "$stamp"
 fi
 

@@ -548,3 +548,20 @@ def test_a_multi_turn_greedy_chat_is_the_same_under_every_algorithm(gguf):
     plain = conversation("none")
     for algorithm in ("tli", "slem", "auto", "none"):
         assert conversation(algorithm) == plain, f"{algorithm}: a turn differs from plain decoding's"
+
+
+def test_a_build_with_amx_kernels_is_refused_with_how_to_rebuild():
+    """llama.cpp's AMX kernels died on their first tile load on an AMX machine here (a general protection fault kills
+    the process, no error to catch) and the runner's exactness rule does not cover them: a build that has them is
+    refused by name with the command that rebuilds it without, which is how ./dev.sh builds it."""
+    from pathlib import Path
+
+    from usd.runners.llamacpp import binding
+
+    plain = b"CPU : SSE3 = 1 | AVX2 = 1 | AVX512 = 1 | AVX512_VNNI = 1 | LLAMAFILE = 1 | REPACK = 1 | "
+    binding._refuse_amx(plain)
+    with pytest.raises(llamacpp.LlamaCppUnavailable, match="AMX kernels") as refused:
+        binding._refuse_amx(plain.replace(b"LLAMAFILE", b"AMX_INT8 = 1 | LLAMAFILE"))
+    assert binding.NO_AMX in str(refused.value) and "--force-reinstall" in str(refused.value)
+    dev_sh = (Path(__file__).resolve().parent.parent / "dev.sh").read_text()
+    assert f'no_amx="{binding.NO_AMX}"' in dev_sh and "CMAKE_CXX_FLAGS='$no_amx'" in dev_sh

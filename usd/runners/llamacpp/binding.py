@@ -7,11 +7,14 @@ import ctypes
 import importlib.util
 import os
 import threading
+from importlib.metadata import version
 
 GGML_TYPE_F16, GGML_TYPE_BF16 = 1, 30  # ggml.h's enum ggml_type (the binding names no BF16)
+NO_AMX = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+"""Compiler flags that leave llama.cpp's AMX kernels out of a build for the builder's own CPU (see `_refuse_amx`)."""
 BUILD_ARGS = (
     "-DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_TOOLS=OFF -DLLAMA_BUILD_EXAMPLES=OFF "
-    "-DLLAMA_BUILD_TESTS=OFF -DLLAMA_CURL=OFF"
+    f"-DLLAMA_BUILD_TESTS=OFF -DLLAMA_CURL=OFF -DCMAKE_C_FLAGS='{NO_AMX}' -DCMAKE_CXX_FLAGS='{NO_AMX}'"
 )
 INSTALL_HINT = (
     "precision gguf runs the model's GGUF on llama.cpp, through llama-cpp-python, which is not installed. It builds "
@@ -50,10 +53,24 @@ def library():
                 errors.append(text.decode("utf-8", "replace").strip())
                 del errors[:-5]
 
+        _refuse_amx(llama_cpp.llama_print_system_info())
         llama_cpp.llama_log_set(log, ctypes.c_void_p(0))
         llama_cpp.llama_backend_init()
         _state.update(lib=llama_cpp, log=log, errors=errors)  # the callback must outlive every call into llama.cpp
         return llama_cpp
+
+
+def _refuse_amx(system_info: bytes) -> None:
+    """A build with llama.cpp's AMX kernels (what -march=native compiles where the CPU reports AMX) is refused before
+    it runs: its AMX buffer takes the K-quant weights the runner's exactness rule is measured on (kernels.py), and on
+    an AMX machine here its first tile-config load died with a general protection fault, which kills the process."""
+    if b"AMX_INT8 = 1" in system_info:
+        raise LlamaCppUnavailable(
+            "this llama-cpp-python was built with llama.cpp's AMX kernels, which usd-chat does not run (they "
+            "crashed on this kind of CPU, and its exactness rule does not cover them). Rebuild it without them: "
+            f'CMAKE_ARGS="{BUILD_ARGS}" pip install --force-reinstall --no-deps --no-cache-dir '
+            f'"llama-cpp-python=={version("llama_cpp_python")}" (./dev.sh setup builds it so)'
+        )
 
 
 def last_errors() -> str:
