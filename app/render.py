@@ -25,6 +25,7 @@ SLOWER = 0.95
 CHART_ACCEPTED = "drafted tokens accepted"
 CHART_EMITTED = "tokens emitted"
 """The per-round chart's two lines (its legend): the drafts the target kept, and every token the round added."""
+CHART_TITLE = "Tokens per round: accepted drafts and emitted"
 
 
 def piece_title(piece: Piece) -> str:
@@ -84,6 +85,28 @@ class TokenFeed:
         return TokenFeed().update([])
 
 
+class LiveFeed:
+    """What a live view (app/ui.py `live_view`: a token view with, as the view has them, a heading, the stats panel
+    and the per-round chart, one component on the page) is sent per update: the new pieces (TokenFeed), the chart's
+    new rows in the same way, and the heading and panel whole (they are small). One output instead of one per part:
+    the page's per-update work (Gradio's bookkeeping of every output of an event) grows with the outputs."""
+
+    def __init__(self):
+        self.tokens = TokenFeed()
+        self.rows_sent = 0
+
+    def update(self, live: Live | None, whole: bool = False, **parts: str) -> dict:
+        """`parts`: the view's other parts as HTML, by name (head, stats)."""
+        pieces, rows = (live.pieces, live.chart) if live is not None else ([], [])
+        start = 0 if whole else self.rows_sent
+        self.rows_sent = len(rows)
+        return {"tokens": self.tokens.update(pieces, whole), "chart": {"from": start, "rows": rows[start:]}, **parts}
+
+    @staticmethod
+    def empty(**parts: str) -> dict:
+        return LiveFeed().update(None, **parts)
+
+
 def legend_html() -> str:
     items = "".join(f'<span class="tok tok-{k}" title="{KIND_LABELS[k]}">{k}</span>' for k in KINDS)
     lookup = '<span class="tok tok-accepted tok-lookup" title="drafted by n-gram lookup, no model">looked up</span>'
@@ -109,7 +132,8 @@ class Live:
     choice: str | None = None
     """Auto's last choice in words: what it ran and why (see `auto_choice`)."""
     stats: Stats | None = None
-    chart: list[dict] = field(default_factory=list)
+    chart: list[tuple[int, int, int]] = field(default_factory=list)
+    """The per-round chart's rows: (round, drafted tokens accepted, tokens emitted)."""
     finished: Finished | None = None
 
     def add(self, event: Round | Finished) -> None:
@@ -123,8 +147,7 @@ class Live:
         if Algorithm(self.algorithm).chooses:
             self.choice = auto_choice(event)
         emitted = len([p for p in event.emitted if p.target_id is not None])
-        self.chart.append({"round": event.index, "series": CHART_ACCEPTED, "tokens": event.accepted})
-        self.chart.append({"round": event.index, "series": CHART_EMITTED, "tokens": emitted})
+        self.chart.append((event.index, event.accepted, emitted))
 
     @property
     def elapsed(self) -> float:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import html
 import inspect
 import queue
 import random
@@ -16,10 +17,9 @@ from collections.abc import Iterator
 from types import SimpleNamespace
 
 import gradio as gr
-import pandas as pd
 
 from usd import api, suggest
-from usd.algorithms import PLAIN, Algorithm
+from usd.algorithms import PLAIN
 from usd.chat import check_prompt
 from usd.errors import Failed, InternalError
 from usd.loading import LoadError
@@ -38,36 +38,55 @@ STOPPED = " [stopped]"
 """Marks an answer cut short by Stop in the chat; taken off again before the chat goes back to the models."""
 MODELS = "models"
 """The concurrency group of every event that runs or loads models."""
-EMPTY_CHART = None
-"""An empty plot starts as None: a plot whose first value is an empty frame never draws its series later."""
 UPDATE_S = 0.5
 """The least time between two updates of a streaming view. Each update costs CPU in the app (Gradio's processing of
 every output) and in the browser (drawing them), on a CPU machine the cores the engine decodes on; two a second still
 read as a stream, so the rounds in between are merged into one update (the first round goes out at once). Measured
 against faster rates in docs/benchmarks.md ("The Chat tab against the engine")."""
-CHART_S = 5.0
-"""The per-round chart is drawn again at most this often, and at the end: a redraw (the app's processing of every row,
-then the browser's drawing) costs more than every other view together, and every two seconds it slowed a plain answer
-in the browser by a sixth on two cores (docs/benchmarks.md, "The Chat tab against the engine")."""
 CHAT_S = 1.0
 """The chat's answer bubble is updated at most this often, and at the end: each update has the browser render the
 whole answer's Markdown again and highlight its code, while the token view beside it shows every new piece."""
-TOKENS_JS = """
-const box = element.querySelector('.tokens');
-let run = null, shown = 0;
+LIVE_PARTS = ("head", "tokens", "stats", "chart")
+"""A live view's parts, in the order they stand in it; a view has the ones it is built with (`live_view`)."""
+LIVE_JS = """
+const part = (name) => element.querySelector('.live-' + name);
+const box = element.querySelector('.tokens'), head = part('head'), stats = part('stats'), chart = part('chart');
+let run = null, shown = 0, rows = [];
+const W = 360, H = 150, L = 34, R = 10, T = 8, B = 20;
+const draw = () => {
+  if (!chart) return;
+  const last = rows.length ? rows[rows.length - 1][0] : 1, first = rows.length ? rows[0][0] : 0;
+  const top = rows.reduce((m, r) => Math.max(m, r[1], r[2]), 1);
+  const x = (r) => (L + (W - L - R) * (r - first) / Math.max(1, last - first)).toFixed(1);
+  const y = (t) => (T + (H - T - B) * (1 - t / top)).toFixed(1);
+  const line = (i) => rows.map((r) => x(r[0]) + ',' + y(r[i])).join(' ');
+  chart.querySelector('svg').innerHTML =
+    `<line class="axis" x1="${L}" y1="${T}" x2="${L}" y2="${H - B}"/>` +
+    `<line class="axis" x1="${L}" y1="${H - B}" x2="${W - R}" y2="${H - B}"/>` +
+    `<text x="${L - 4}" y="${T + 8}" text-anchor="end">${top}</text>` +
+    `<text x="${L - 4}" y="${H - B}" text-anchor="end">0</text>` +
+    `<text x="${L}" y="${H - 4}">round ${rows.length ? first : ''}</text>` +
+    `<text x="${W - R}" y="${H - 4}" text-anchor="end">${rows.length ? last : ''}</text>` +
+    `<polyline class="emitted" points="${line(2)}"/><polyline class="accepted" points="${line(1)}"/>`;
+};
 const show = () => {
-  const feed = props.value;
-  if (!feed || typeof feed !== 'object') return;
-  if (feed.run !== run || feed.from === 0) { box.replaceChildren(); run = feed.run; shown = 0; }
-  if (feed.from !== shown) return;
-  box.insertAdjacentHTML('beforeend', feed.html);
-  shown = feed.to;
+  const v = props.value;
+  if (!v || typeof v !== 'object' || !v.tokens) return;
+  const feed = v.tokens;
+  if (feed.run !== run || feed.from === 0) { box.replaceChildren(); run = feed.run; shown = 0; rows = []; }
+  if (feed.from === shown) { box.insertAdjacentHTML('beforeend', feed.html); shown = feed.to; }
+  if (head && v.head !== undefined) head.innerHTML = v.head;
+  if (stats && v.stats !== undefined) stats.innerHTML = v.stats;
+  if (chart && v.chart && v.chart.from === rows.length) {
+    rows.push(...v.chart.rows);
+    draw();
+  }
 };
 show();
 watch('value', show);
 """
-"""The token view appends what each update brings (render.TokenFeed): its box is not drawn again from the whole
-answer each time."""
+"""A live view appends what each update brings (render.LiveFeed): the new pieces to its token box and the new rows to
+its chart, which it draws itself (an SVG of two lines); its heading and stats are replaced whole."""
 
 
 class InputError(ValueError):
@@ -236,50 +255,42 @@ class Every:
 
 
 class ChatViews:
-    """The chat tab's views for one generation (the chat, the token view, the stats and the chart), as updates that
-    cost what changed: the token view gets the new pieces, the chart is drawn again at most every CHART_S and the
-    chat's answer every CHAT_S (both at the end too).
+    """The chat tab's two outputs for one generation: the chat, and the live view (tokens, stats and chart as one
+    component), as updates that cost what changed: the live view gets the new pieces and chart rows, and the chat's
+    answer is updated every CHAT_S and at the end.
 
     The chat, when not due, gets the very value it was last sent, which Gradio's stream diff turns into nothing on the
     wire. Not gr.skip(): Gradio reads a skip as a property update, builds the component afresh with its API schema (a
-    few ms of the app's CPU), and then sends the chat's next value whole, which the page renders whole. The chart,
-    when not due, is skipped all the same: the page's plot draws its chart again on every value it is sent, unchanged
-    or not, which costs far more than the skip (docs/benchmarks.md, "The Chat tab against the engine")."""
+    few ms of the app's CPU), and then sends the chat's next value whole, which the page renders whole."""
 
     def __init__(self, shown: list):
         self.shown = shown
         """The chat as the user sees it: the history and the new message."""
-        self.tokens = render.TokenFeed()
-        self.chart = Every(CHART_S)
+        self.live = render.LiveFeed()
         self.chat = Every(CHAT_S)
         self.chat_sent: list = shown
 
     def update(self, live: render.Live) -> tuple:
-        """(chat, message box, token view, stats, chart) for the answer so far."""
+        """(chat, live view) for the answer so far."""
         done = live.finished is not None
         if self.chat.due(done):
             answer = render.answer_text(live)
             if live.finished is not None and live.finished.stats.stop_reason == "cancelled":
                 answer += STOPPED
             self.chat_sent = [*self.shown, {"role": "assistant", "content": answer}]
-        chart = gr.skip()
-        # a plain answer's rounds are all alike (one token, nothing drafted): its chart is drawn once, at the end
-        if self.chart.due(done) and (done or not Algorithm(live.algorithm).plain):
-            chart = pd.DataFrame(live.chart) if live.chart else EMPTY_CHART
         stats = render.stats_html(live.numbers(), live.algorithm)
-        return self.chat_sent, "", self.tokens.update(live.pieces, whole=done), stats, chart
+        return self.chat_sent, self.live.update(live, whole=done, stats=stats)
 
 
-def column(live: render.Live | None, label: str, tokens: render.TokenFeed) -> tuple[dict, str]:
-    """One compare column: its tokens (the new ones) and its heading with the numbers so far."""
+def column(live: render.Live | None, label: str, feed: render.LiveFeed) -> dict:
+    """One compare column's live view: its tokens (the new ones) and its heading with the numbers so far."""
+    label = html.escape(label)
     if live is None:
-        return tokens.update([]), f"**{label}**: waiting (runs second)"
+        return feed.update(None, head=f"<b>{label}</b>: waiting (runs second)")
     n = live.numbers()
     state = "done" if live.finished else "running"
-    return (
-        tokens.update(live.pieces, whole=live.finished is not None),
-        f"**{label}**: {n['wall_s']:.2f} s · {n['tokens']} tokens · {n['tokens_per_s']:.1f} tok/s ({state})",
-    )
+    head = f"<b>{label}</b>: {n['wall_s']:.2f} s · {n['tokens']} tokens · {n['tokens_per_s']:.1f} tok/s ({state})"
+    return feed.update(live, whole=live.finished is not None, head=head)
 
 
 class Handlers:
@@ -357,6 +368,12 @@ class Handlers:
 
     # --- chat ------------------------------------------------------------------------------------------------------
 
+    @staticmethod
+    def chat_take(message) -> tuple[str, str]:
+        """The message box emptied at once, its text held for `chat_send` (and put back should that fail): the box is
+        not among the streaming outputs, which each cost the page work at every update."""
+        return "", message
+
     @shown_to_user
     def chat_send(
         self,
@@ -413,11 +430,11 @@ class Handlers:
     @shown_to_user
     def compare_ui(self, prompt, algorithm, draft_tokens, temperature, top_p, top_k, seed, max_new_tokens):
         prompt, s = self.checked(prompt, knobs_of(locals()))
-        plain_tokens, spec_tokens = render.TokenFeed(), render.TokenFeed()
+        plain_feed, spec_feed = render.LiveFeed(), render.LiveFeed()
         for plain, spec, summary in self.compare_stream(prompt, s):
             yield (
-                *column(plain, "plain target", plain_tokens),
-                *column(spec, f"speculative ({s.algorithm})", spec_tokens),
+                column(plain, "plain target", plain_feed),
+                column(spec, f"speculative ({s.algorithm})", spec_feed),
                 render.summary_html(summary) if summary else "",
             )
 
@@ -507,17 +524,22 @@ def build(pairs: Pairs, slots: Slots | None = None, stream=api.stream) -> gr.Blo
         knobs = _settings_panel()
         # Every event that runs the models shares one concurrency group: the queue's limit counts them together.
         for trigger in (chat.send.click, chat.box.submit):
-            trigger(
+            taken = trigger(
+                h.chat_take, chat.box, [chat.box, chat.message], api_visibility="private", concurrency_limit=None
+            )
+            answered = taken.success(
                 gpu(h.chat_send),
-                [chat.box, chat.chatbot, *knobs],
+                [chat.message, chat.chatbot, *knobs],
                 chat.outputs,
                 api_visibility="private",
                 concurrency_id=MODELS,
                 show_progress="hidden",  # its animation redraws the page all along the answer (the views show progress)
             )
+            # a message that could not be answered (a bad setting, a prompt too long) goes back into the box
+            answered.failure(lambda m: m, chat.message, chat.box, api_visibility="private", concurrency_limit=None)
         chat.stop.click(h.chat_stop, None, None, concurrency_limit=None, api_visibility="private")
         chat.clear.click(
-            lambda: ([], "", render.TokenFeed.empty(), render.stats_html({}, "auto"), EMPTY_CHART),
+            lambda: ([], render.LiveFeed.empty(stats=render.stats_html({}, "auto"))),
             None,
             chat.outputs,
             api_visibility="private",
@@ -551,37 +573,46 @@ def _chat_tab() -> SimpleNamespace:
                 max_lines=8,
                 elem_id="message",
             )
+            message = gr.State("")
             with gr.Row():
                 send = gr.Button("Send", variant="primary", elem_id="send")
                 stop = gr.Button("Stop", variant="stop", elem_id="stop")
                 clear = gr.Button("Clear chat", elem_id="clear")
         with gr.Column(scale=2):
             gr.HTML(render.legend_html())
-            tokens = token_view("tokens")
-            stats = gr.HTML(render.stats_html({}, "auto"), elem_id="stats")
-            chart = gr.LinePlot(
-                EMPTY_CHART,
-                x="round",
-                y="tokens",
-                color="series",
-                color_title="",  # no title line above the legend, which would push its entries out of the box
-                height=200,
-                label="Tokens per round: accepted drafts and emitted",
-                elem_id="chart",
-            )
+            live = live_view("live", ("tokens", "stats", "chart"), stats=render.stats_html({}, "auto"))
     return SimpleNamespace(
-        chatbot=chatbot, box=box, send=send, stop=stop, clear=clear, outputs=[chatbot, box, tokens, stats, chart]
+        chatbot=chatbot,
+        box=box,
+        message=message,
+        live=live,
+        send=send,
+        stop=stop,
+        clear=clear,
+        outputs=[chatbot, live],
     )
 
 
-def token_view(elem_id: str) -> gr.HTML:
-    """A token view: a box the page appends each update's new pieces to (TOKENS_JS, render.TokenFeed)."""
-    return gr.HTML(
-        render.TokenFeed.empty(),
-        html_template='<div class="tokens"></div>',
-        js_on_load=TOKENS_JS,
-        elem_id=elem_id,
+def live_view(elem_id: str, parts: tuple[str, ...], **initial: str) -> gr.HTML:
+    """A live view: one component holding `parts` (LIVE_PARTS), which the page updates from each update's LiveFeed
+    (LIVE_JS): the token box and the chart appended to, the heading and stats replaced. In the chat tab (elem_id
+    "live") the parts' ids are their names (#tokens, #stats, #chart); elsewhere the view's id and the part's."""
+    prefix = "" if elem_id == "live" else f"{elem_id}-"
+    html_parts = {
+        "head": '<div class="live-head"></div>',
+        "tokens": '<div class="live-tokens"><div class="tokens"></div></div>',
+        "stats": '<div class="live-stats"></div>',
+        "chart": (
+            f'<div class="live-chart"><div class="chart-title">{render.CHART_TITLE}</div>'
+            f'<div class="chart-legend"><span class="accepted">{render.CHART_ACCEPTED}</span>'
+            f'<span class="emitted">{render.CHART_EMITTED}</span></div>'
+            '<svg viewBox="0 0 360 150"></svg></div>'
+        ),
+    }
+    template = "".join(
+        html_parts[p].replace('class="live-', f'id="{prefix}{p}" class="live-', 1) for p in LIVE_PARTS if p in parts
     )
+    return gr.HTML(render.LiveFeed.empty(**initial), html_template=template, js_on_load=LIVE_JS, elem_id=elem_id)
 
 
 def _compare_tab() -> SimpleNamespace:
@@ -593,14 +624,10 @@ def _compare_tab() -> SimpleNamespace:
         prompt = gr.Textbox(label="Prompt", lines=2, elem_id="compare-prompt")
         run = gr.Button("Compare", variant="primary", elem_id="compare-run")
         with gr.Row():
-            with gr.Column():
-                plain_head = gr.Markdown("**plain target**")
-                plain = token_view("compare-plain")
-            with gr.Column():
-                spec_head = gr.Markdown("**speculative**")
-                spec = token_view("compare-speculative")
+            plain = live_view("compare-plain", ("head", "tokens"), head="<b>plain target</b>")
+            spec = live_view("compare-speculative", ("head", "tokens"), head="<b>speculative</b>")
         summary = gr.HTML("", elem_id="compare-summary")
-    return SimpleNamespace(prompt=prompt, run=run, outputs=[plain, plain_head, spec, spec_head, summary])
+    return SimpleNamespace(prompt=prompt, run=run, outputs=[plain, spec, summary])
 
 
 def _pair_tab(demo: gr.Blocks, h: Handlers, header: gr.Markdown) -> None:

@@ -107,7 +107,8 @@ def test_live_numbers_follow_the_rounds():
     assert n["theoretical_speedup"] == pytest.approx(expected_speedup(0.75, 4, 0.5, 1.5))
     assert n["speedup_basis"].startswith("estimated")
     assert render.answer_text(live) == "aabefghij"
-    assert [r["tokens"] for r in live.chart if r["series"] == render.CHART_ACCEPTED] == [0, 2, 4]
+    assert [accepted for _, accepted, _ in live.chart] == [0, 2, 4]
+    assert [emitted for _, _, emitted in live.chart] == [1, 3, 5]
 
 
 def test_finished_stats_replace_the_running_estimate_and_a_baseline_gives_measured_speedup():
@@ -544,40 +545,45 @@ def test_an_answer_that_drafted_nothing_is_not_warned_about_speculation():
 
 
 def test_the_chart_legend_says_what_its_lines_are():
-    live = render.Live("tli")
-    live.add(with_stats([spec_round(0, ["a"], ["b"], "c", "resampled")])[0])
-    assert {r["series"] for r in live.chart} == {"drafted tokens accepted", "tokens emitted"}
+    from app.ui import live_view
+
+    view = live_view("live", ("tokens", "stats", "chart"))
+    assert "drafted tokens accepted" in view.html_template and "tokens emitted" in view.html_template
 
 
-def test_the_chart_is_drawn_while_speculating_and_a_plain_answer_s_only_at_its_end():
-    import gradio as gr
-
+def test_the_live_view_is_sent_its_new_chart_rows_and_every_row_at_the_end():
     from app.ui import ChatViews
 
-    def charts(algorithm, rounds):
-        views, live = ChatViews([]), render.Live(algorithm)
-        for r in rounds:
-            live.add(r)
-            yield views.update(live)[4]
-
-    def drawn(chart) -> bool:
-        return not (isinstance(chart, dict) and chart == gr.skip())
-
+    views, live = ChatViews([]), render.Live("tli")
     spec = with_stats([spec_round(i, ["a"], [], "b", "bonus") for i in range(3)])
-    assert drawn(next(charts("tli", spec)))  # the first round's chart goes out at once
-    plain = with_stats([plain_round(i) for i in range(3)])
-    assert not any(drawn(c) for c in charts("none", plain))
-    views, live = ChatViews([]), render.Live("none")
-    for r in plain:
+    sent = []
+    for r in spec:
         live.add(r)
-    live.add(Finished("aaa", (1, 1, 1), live.stats))
-    assert len(views.update(live)[4]) == 2 * len(plain)  # at the end: every round's two rows
+        sent.append(views.update(live)[1]["chart"])
+    assert [(c["from"], len(c["rows"])) for c in sent] == [(0, 1), (1, 1), (2, 1)]
+    live.add(Finished("ababab", (1, 1, 1, 1, 1, 1), live.stats))
+    last = views.update(live)[1]
+    assert last["chart"] == {"from": 0, "rows": live.chart} and last["tokens"]["from"] == 0
+    assert last["stats"] == render.stats_html(live.numbers(), "tli")
+
+
+def test_the_chat_streams_two_outputs_and_the_message_box_is_not_one_of_them():
+    """Each output of the streaming event costs the page work at every update (Gradio's bookkeeping per output): the
+    chat streams into the chat and one live view, and the box is emptied by an event of its own before it."""
+    import gradio as gr
+
+    from app.ui import _chat_tab
+
+    with gr.Blocks():
+        chat = _chat_tab()
+    assert chat.outputs == [chat.chatbot, chat.live]
+    assert chat.box not in chat.outputs
 
 
 def test_a_chat_that_is_not_due_puts_nothing_on_the_wire():
     """Through Gradio's own postprocessing and stream diff, as the chat's event sends them: between its due times the
-    chat sends nothing (no whole value, no property update) and the chart none of its rows (a skip), and the chat's
-    next due update is an append to the answer, not the whole chat again."""
+    chat sends nothing (no whole value, no property update), the live view only what is new, and the chat's next due
+    update is an append to the answer, not the whole chat again."""
     import asyncio
 
     import gradio as gr
@@ -600,9 +606,12 @@ def test_a_chat_that_is_not_due_puts_nothing_on_the_wire():
     for r in rounds[:-1]:
         live.add(r)
         sent.append(asyncio.run(on_the_wire(views.update(live))))
-    for wire in sent[1:]:  # within CHAT_S and CHART_S of the first update
+    for wire in sent[1:]:  # within CHAT_S of the first update
         assert wire[0] == [], wire
-        assert not any(op in ("add", "replace") and path != ["__type__"] for op, path, _ in wire[4]), wire
+        replaced = [path for op, path, _ in wire[1] if op in ("add", "replace")]
+        assert ["tokens", "html"] in replaced, wire
+        # the chart's one new row (whatever Gradio's diff makes of it), never the rows sent before
+        assert all(path[2] == 0 for path in replaced if path[:2] == ["chart", "rows"]), wire
     live.add(rounds[-1])
     live.add(Finished("abababab", tuple(range(8)), live.stats))
     chat_edits = asyncio.run(on_the_wire(views.update(live)))[0]
