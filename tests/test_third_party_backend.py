@@ -121,7 +121,8 @@ def test_the_panel_says_which_numbers_the_server_did_not_report(app):
     from app.ui import Handlers
 
     h = Handlers(app[0], stream=remote.stream)
-    *_, (_, _, _, panel, _) = h.chat_send("Say hello.", [], "auto", "auto", 0, 1, 0, None, 8, _request("panel"))
+    *_, (_, live) = h.chat_send("Say hello.", [], "auto", "auto", 0, 1, 0, None, 8, _request("panel"))
+    panel = live["stats"]
     said = panel.split("Not reported by this server: ", 1)[1]
     for name in ("acceptance α", "draft length k", "drafter cost c", "verify cost v", "theoretical speedup"):
         assert name in said
@@ -143,7 +144,8 @@ def test_stop_cancels_the_servers_answer(app, server):
     next(chat)
     stopped_at = time.perf_counter()
     threading.Timer(0.2, h.chat_stop, [request]).start()
-    *_, (history, _, _, panel, _) = chat
+    *_, (history, live) = chat
+    panel = live["stats"]
     assert time.perf_counter() - stopped_at < 10, "Stop must end the answer, not let the server run to 600 tokens"
     answer = history[-1]["content"]
     assert answer.endswith(STOPPED) and "stopped: cancelled" in panel
