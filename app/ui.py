@@ -17,12 +17,14 @@ from collections.abc import Iterator
 from types import SimpleNamespace
 
 import gradio as gr
+import torch
 
 from usd import api, suggest
 from usd.algorithms import PLAIN
 from usd.chat import check_prompt
 from usd.errors import Failed, InternalError
 from usd.loading import LoadError
+from usd.runners.llamacpp import cpu_threads
 from usd.serve.slots import Slots
 from usd.settings import ALGORITHMS, DRAFT_TOKENS_MAX, MAX_NEW_TOKENS_MAX, GenerationSettings
 
@@ -43,6 +45,11 @@ UPDATE_S = 0.5
 every output) and in the browser (drawing them), on a CPU machine the cores the engine decodes on; two a second still
 read as a stream, so the rounds in between are merged into one update (the first round goes out at once). Measured
 against faster rates in docs/benchmarks.md ("The Chat tab against the engine")."""
+BUSY_CORES_UPDATE_S = 1.0
+"""UPDATE_S where the target decodes on this machine's CPU with a thread on every core (`update_interval`): there the
+page's work at each update displaces one of the engine's threads, and the step waits at its barrier for it, so each
+update costs the engine more than its own CPU time. Once a second there, measured against twice in
+docs/benchmarks.md ("The Chat tab against the engine")."""
 CHAT_S = 1.0
 """The chat's answer bubble is updated at most this often, and at the end: each update has the browser render the
 whole answer's Markdown again and highlight its code, while the token view beside it shows every new piece."""
@@ -205,6 +212,17 @@ def in_background(make_events, cancel: threading.Event, interval: float = UPDATE
         worker.join()
 
 
+def update_interval(pair) -> float:
+    """How often the views of a generation on `pair` are updated: BUSY_CORES_UPDATE_S where its target computes on
+    this machine's CPU with a thread on every core, UPDATE_S elsewhere (a GPU, cores to spare, a remote backend)."""
+    target = getattr(pair, "target", None)
+    device = getattr(target, "device", None)
+    if device is None or getattr(device, "type", device) != "cpu":
+        return UPDATE_S
+    threads = getattr(target, "n_threads", None) or torch.get_num_threads()  # llama.cpp's, or torch's
+    return BUSY_CORES_UPDATE_S if threads >= cpu_threads() else UPDATE_S
+
+
 @contextlib.contextmanager
 def _as_message():
     """What the user can fix (a bad setting or prompt, a pair that will not load) reaches them as a message, not a
@@ -351,7 +369,9 @@ class Handlers:
         with hold as running:
             if not running:  # stopped while waiting for a slot
                 return
-            events = in_background(lambda: self._events(pair, s, prompt, messages, chat_mode, cancel), cancel)
+            events = in_background(
+                lambda: self._events(pair, s, prompt, messages, chat_mode, cancel), cancel, update_interval(pair)
+            )
             try:
                 for batch in events:
                     for event in batch:
@@ -454,7 +474,7 @@ class Handlers:
         seed: int | None = DEFAULT.seed,
         max_new_tokens: int = DEFAULT.max_new_tokens,
     ) -> Iterator[tuple[str, list, dict]]:
-        """Chat with the loaded pair (or the named one): streams (text, pieces, stats) as it goes, a few updates a
+        """Chat with the loaded pair (or the named one): streams (text, pieces, stats) as it goes, an update or two a
         second (the rounds in between merged). `pieces` is a list of {text, kind, round}; `stats` holds
         acceptance_rate, tokens_per_round, tokens_per_s, wall_s and more. Empty target/drafter: the loaded pair."""
         prompt, s = self.checked(prompt, knobs_of(locals()), target, drafter)

@@ -668,3 +668,24 @@ def test_an_engine_bug_reaches_the_ui_as_a_request_for_a_report_not_as_bad_input
     with pytest.raises(gr.Error) as mistake:
         shown_to_user(bad_input)()
     assert mistake.value.message.startswith("temperature must be") and not mistake.value.print_exception
+
+
+def test_views_update_once_a_second_where_the_engine_has_a_thread_on_every_core(monkeypatch):
+    """Where the target computes on this machine's CPU with a thread on every core, each update of the page displaces
+    one of them (the step then waits at its barrier): the views update every BUSY_CORES_UPDATE_S there, every
+    UPDATE_S elsewhere."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from app import ui
+
+    monkeypatch.setattr(ui, "cpu_threads", lambda: 4)
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    on = lambda device, threads=None: SimpleNamespace(target=SimpleNamespace(device=device, n_threads=threads))  # noqa: E731
+    assert ui.update_interval(on(cpu, 4)) == ui.BUSY_CORES_UPDATE_S > ui.UPDATE_S  # llama.cpp on every core
+    assert ui.update_interval(on(cpu, 2)) == ui.UPDATE_S  # cores to spare for the page
+    assert ui.update_interval(on(cuda)) == ui.UPDATE_S
+    assert ui.update_interval(SimpleNamespace(target="a remote model")) == ui.UPDATE_S
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 4)
+    assert ui.update_interval(on(cpu)) == ui.BUSY_CORES_UPDATE_S  # transformers: torch's threads
