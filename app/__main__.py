@@ -18,6 +18,11 @@ CSS_PATH = Path(__file__).resolve().parent / "app.css"
 
 CACHE_CHECK_S = 3600
 """How often, and past what age, Gradio deletes the files it cached (it has no reason to keep any here)."""
+QUEUE_POLL_S = 0.05
+"""How often Gradio's queue looks for a job to start, and for progress to send (Gradio's own values on Windows; on
+Linux it looks every 1 and 10 ms, idle or not). Each look wakes the app's event loop, which takes the GIL from the
+decoding thread and, where the engine fills every core, displaces one of its threads, whose step then waits at its
+barrier: docs/benchmarks.md ("The Chat tab against the engine"). A click waits at most this long to start."""
 
 
 def create(
@@ -81,6 +86,8 @@ def launch(demo, host: str, port: int | None, share: bool = False, concurrency: 
     from .page import PageScript
 
     demo.queue(default_concurrency_limit=concurrency, max_size=max_queue, api_open=False)
+    # no public setting for these: a Gradio that renames them fails tests/test_app_page.py
+    demo._queue.sleep_when_free = demo._queue.progress_update_sleep_when_free = QUEUE_POLL_S
     demo.delete_cache = demo.delete_cache or (CACHE_CHECK_S, CACHE_CHECK_S)
     app_kwargs = dict(kwargs.pop("app_kwargs", None) or {})
     app_kwargs["middleware"] = [*app_kwargs.get("middleware", []), Middleware(BodyLimit), Middleware(PageScript)]

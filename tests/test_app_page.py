@@ -35,3 +35,20 @@ def test_other_responses_pass_unchanged():
     assert c.get("/config").json() == {"page": PAGE}
     assert c.post("/").status_code == 405  # only GET / is rewritten; the app answers the rest
     assert with_script(b"<html>no module</html>") == b"<html>no module</html>"
+
+
+def test_gradios_queue_looks_for_work_every_queue_poll_s_not_every_millisecond():
+    """Gradio's queue polls every 1 ms on Linux (every 10 ms for progress), waking the app's event loop a thousand
+    times a second on the cores the engine decodes on: the app's launch slows both polls to QUEUE_POLL_S."""
+    import gradio as gr
+    from tiny_serving import free_port
+
+    from app.__main__ import QUEUE_POLL_S, launch
+
+    with gr.Blocks() as demo:
+        gr.Markdown("hi")
+    launch(demo, "127.0.0.1", free_port(), prevent_thread_lock=True, quiet=True)
+    try:
+        assert demo._queue.sleep_when_free == demo._queue.progress_update_sleep_when_free == QUEUE_POLL_S >= 0.05
+    finally:
+        demo.close()
