@@ -79,11 +79,6 @@ class TokenFeed:
         self.sent = len(pieces)
         return {"run": self.run, "from": start, "to": self.sent, "html": pieces_spans(pieces[start:])}
 
-    @staticmethod
-    def empty() -> dict:
-        """An empty view (a cleared chat): a run of its own with no pieces."""
-        return TokenFeed().update([])
-
 
 class LiveFeed:
     """What a live view (app/ui.py `live_view`: a token view with, as the view has them, a heading, the stats panel
@@ -104,6 +99,7 @@ class LiveFeed:
 
     @staticmethod
     def empty(**parts: str) -> dict:
+        """An empty view (a cleared chat): a run of its own with no pieces and no rows."""
         return LiveFeed().update(None, **parts)
 
 

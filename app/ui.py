@@ -614,24 +614,18 @@ def _chat_tab() -> SimpleNamespace:
 
 
 def live_view(elem_id: str, parts: tuple[str, ...], **initial: str) -> gr.HTML:
-    """A live view: one component holding `parts` (LIVE_PARTS), which the page updates from each update's LiveFeed
-    (LIVE_JS): the token box and the chart appended to, the heading and stats replaced. In the chat tab (elem_id
-    "live") the parts' ids are their names (#tokens, #stats, #chart); elsewhere the view's id and the part's."""
+    """A live view: one component holding `parts` (of LIVE_PARTS' names, which also give their order), which the
+    page updates from each update's LiveFeed (LIVE_JS): the token box and the chart appended to, the heading and stats
+    replaced. In the chat tab (elem_id "live") the parts' ids are their names (#tokens, #stats, #chart); elsewhere the
+    view's id and the part's."""
     prefix = "" if elem_id == "live" else f"{elem_id}-"
-    html_parts = {
-        "head": '<div class="live-head"></div>',
-        "tokens": '<div class="live-tokens"><div class="tokens"></div></div>',
-        "stats": '<div class="live-stats"></div>',
-        "chart": (
-            f'<div class="live-chart"><div class="chart-title">{render.CHART_TITLE}</div>'
-            f'<div class="chart-legend"><span class="accepted">{render.CHART_ACCEPTED}</span>'
-            f'<span class="emitted">{render.CHART_EMITTED}</span></div>'
-            '<svg viewBox="0 0 360 150"></svg></div>'
-        ),
-    }
-    template = "".join(
-        html_parts[p].replace('class="live-', f'id="{prefix}{p}" class="live-', 1) for p in LIVE_PARTS if p in parts
+    chart = (
+        f'<div class="chart-title">{render.CHART_TITLE}</div>'
+        f'<div class="chart-legend"><span class="accepted">{render.CHART_ACCEPTED}</span>'
+        f'<span class="emitted">{render.CHART_EMITTED}</span></div><svg viewBox="0 0 360 150"></svg>'
     )
+    inside = {"head": "", "tokens": '<div class="tokens"></div>', "stats": "", "chart": chart}
+    template = "".join(f'<div id="{prefix}{p}" class="live-{p}">{inside[p]}</div>' for p in LIVE_PARTS if p in parts)
     return gr.HTML(render.LiveFeed.empty(**initial), html_template=template, js_on_load=LIVE_JS, elem_id=elem_id)
 
 
