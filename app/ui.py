@@ -544,8 +544,15 @@ def build(pairs: Pairs, slots: Slots | None = None, stream=api.stream) -> gr.Blo
         knobs = _settings_panel()
         # Every event that runs the models shares one concurrency group: the queue's limit counts them together.
         for trigger in (chat.send.click, chat.box.submit):
+            # No progress shown on the box either: Gradio's loader, once shown there, animated on (detached from the
+            # page, a frame at every animation tick) until the answer ended.
             taken = trigger(
-                h.chat_take, chat.box, [chat.box, chat.message], api_visibility="private", concurrency_limit=None
+                h.chat_take,
+                chat.box,
+                [chat.box, chat.message],
+                api_visibility="private",
+                concurrency_limit=None,
+                show_progress="hidden",
             )
             answered = taken.success(
                 gpu(h.chat_send),
@@ -556,7 +563,14 @@ def build(pairs: Pairs, slots: Slots | None = None, stream=api.stream) -> gr.Blo
                 show_progress="hidden",  # its animation redraws the page all along the answer (the views show progress)
             )
             # a message that could not be answered (a bad setting, a prompt too long) goes back into the box
-            answered.failure(lambda m: m, chat.message, chat.box, api_visibility="private", concurrency_limit=None)
+            answered.failure(
+                lambda m: m,
+                chat.message,
+                chat.box,
+                api_visibility="private",
+                concurrency_limit=None,
+                show_progress="hidden",
+            )
         chat.stop.click(h.chat_stop, None, None, concurrency_limit=None, api_visibility="private")
         chat.clear.click(
             lambda: ([], render.LiveFeed.empty(stats=render.stats_html({}, "auto"))),
@@ -564,6 +578,7 @@ def build(pairs: Pairs, slots: Slots | None = None, stream=api.stream) -> gr.Blo
             chat.outputs,
             api_visibility="private",
             concurrency_limit=None,
+            show_progress="hidden",
         )
 
         compare.run.click(

@@ -286,27 +286,42 @@ def test_browser_chat_marks_the_tokens_the_n_gram_lookup_drafted(app):
     not shutil.which("chromium") and not os.environ.get("USD_CHAT_REQUIRE_BROWSER"),
     reason="Debian's chromium is installed by .ci/run and ./dev.sh test (.ci/run requires it)",
 )
-def test_browser_an_idle_page_draws_almost_no_frames(app, tmp_path):
-    """Gradio's status trackers time their label in a requestAnimationFrame loop that runs on an idle page, 60 frames
-    a second on the cores the engine needs (app/page.py slows it to 4): counted here in Chromium's own trace."""
-    import json
-
-    from playwright.sync_api import sync_playwright
+def test_browser_a_page_draws_almost_no_frames_idle_or_while_an_answer_streams(app, tmp_path):
+    """The page's own animations run on the cores the engine needs. Gradio's status trackers time their label in a
+    requestAnimationFrame loop, 60 frames a second, idle or not (app/page.py slows it); a loader shown once, even for
+    an instant, animated on until the answer ended (the chat's events show none). Counted in Chromium's own trace."""
+    from playwright.sync_api import expect, sync_playwright
 
     with sync_playwright() as p:
         browser, page = open_page(p)
         page.goto(app[2])
         page.wait_for_selector("#send")
         time.sleep(6)  # the page settles (its first animations: tabs, loaders)
-        trace = tmp_path / "trace.json"
-        browser.start_tracing(page=page, path=str(trace), categories=["devtools.timeline"])
-        time.sleep(2)
-        browser.stop_tracing()
+        idle = animation_frames(browser, page, tmp_path / "idle.json", 2)
+        choose(page, "none", 400)
+        page.locator("#clear").click()
+        page.locator("#message textarea").fill("Explain, step by step and at length, how a hash table works.")
+        page.locator("#send").click()
+        expect(page.locator("#tokens .tok").first).to_be_visible(timeout=60_000)  # the answer streams
+        streaming = animation_frames(browser, page, tmp_path / "streaming.json", 2)
+        running = page.locator("#stats .stop-reason").count() == 0
+        page.locator("#stop").click()
         browser.close()
+    assert idle < 20, f"{idle} animation frames in 2 s of an idle page"
+    assert running, "the answer ended before its frames were counted: ask for a longer one"
+    assert streaming < 20, f"{streaming} animation frames in 2 s of a streaming answer"
+
+
+def animation_frames(browser, page, trace: Path, seconds: float) -> int:
+    """requestAnimationFrame callbacks the page ran in `seconds`, from Chromium's trace."""
+    import json
+
+    browser.start_tracing(page=page, path=str(trace), categories=["devtools.timeline"])
+    time.sleep(seconds)
+    browser.stop_tracing()
     events = json.loads(trace.read_text())
     events = events["traceEvents"] if isinstance(events, dict) else events
-    frames = sum(1 for e in events if e.get("name") == "FireAnimationFrame")
-    assert frames < 20, f"{frames} animation frames in 2 s of an idle page"
+    return sum(1 for e in events if e.get("name") == "FireAnimationFrame")
 
 
 COPYING = (
