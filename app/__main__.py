@@ -95,6 +95,9 @@ def launch(demo, host: str, port: int | None, share: bool = False, concurrency: 
     if service is not None:  # the /v1 routes, in Gradio's own FastAPI app from its start, sharing the UI's slots
         service.slots.configure(concurrency, max_queue)
         app_kwargs["routes"] = [*app_kwargs.get("routes", []), *create_router(service).routes]
+    live = getattr(demo, "usd_live", None)
+    if live is not None:  # the live views' own update channel (app/live.py)
+        app_kwargs["routes"] = [*app_kwargs.get("routes", []), live.route()]
     kwargs["app_kwargs"] = app_kwargs
     kwargs.setdefault("max_file_size", 0)
     return demo.launch(server_name=host, server_port=port, share=share, css_paths=[CSS_PATH], **kwargs)

@@ -42,11 +42,20 @@ def space_models(catalog: Catalog) -> list[str]:
     return [name for name in catalog.names() if name in served]
 
 
+def runs_elsewhere() -> bool:
+    """Whether the handlers `gpu` wraps run in another process than the server's (ZeroGPU forks one per call)."""
+    try:
+        import spaces  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
 def gpu(fn):
     """Run `fn` on a ZeroGPU slice when the `spaces` package is there (it is a no-op elsewhere); plain CUDA or the
     CPU otherwise."""
-    try:
-        import spaces
-    except ImportError:
+    if not runs_elsewhere():
         return fn
+    import spaces
+
     return spaces.GPU(duration=120)(fn)

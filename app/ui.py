@@ -14,6 +14,7 @@ import random
 import threading
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from types import SimpleNamespace
 
 import gradio as gr
@@ -29,8 +30,9 @@ from usd.serve.slots import Slots
 from usd.settings import ALGORITHMS, DRAFT_TOKENS_MAX, MAX_NEW_TOKENS_MAX, GenerationSettings
 
 from . import render
+from .live import Channels
 from .pairs import NO_DRAFTER, Pairs
-from .space import gpu
+from .space import gpu, runs_elsewhere
 from .suggest_ui import rank_section
 
 DRAFT_CHOICES = ["auto"] + [str(k) for k in range(1, DRAFT_TOKENS_MAX + 1)]
@@ -40,19 +42,31 @@ STOPPED = " [stopped]"
 """Marks an answer cut short by Stop in the chat; taken off again before the chat goes back to the models."""
 MODELS = "models"
 """The concurrency group of every event that runs or loads models."""
-UPDATE_S = 0.5
-"""The least time between two updates of a streaming view. Each update costs CPU in the app (Gradio's processing of
-every output) and in the browser (drawing them), on a CPU machine the cores the engine decodes on; two a second still
-read as a stream, so the rounds in between are merged into one update (the first round goes out at once). Measured
-against faster rates in docs/benchmarks.md ("The Chat tab against the engine")."""
-BUSY_CORES_UPDATE_S = 1.0
-"""UPDATE_S where the target decodes on this machine's CPU with a thread on every core (`update_interval`): there the
-page's work at each update displaces one of the engine's threads, and the step waits at its barrier for it, so each
-update costs the engine more than its own CPU time. Once a second there, measured against twice in
-docs/benchmarks.md ("The Chat tab against the engine")."""
-CHAT_S = 1.0
-"""The chat's answer bubble is updated at most this often, and at the end: each update has the browser render the
-whole answer's Markdown again and highlight its code, while the token view beside it shows every new piece."""
+
+
+@dataclass(frozen=True)
+class Pace:
+    """The least time between two updates of a generation's views: its live views (token view, stats, chart) and the
+    chat's answer bubble. Rounds in between are merged into one update; the first goes out at once, the last as soon
+    as the answer ends. Each update costs the browser work on, on a CPU machine, the cores the engine decodes on, and
+    where the engine has a thread on every core each piece of it displaces one and the step waits at its barrier.
+    Measured in docs/benchmarks.md ("The Chat tab against the engine")."""
+
+    live: float
+    chat: float
+
+
+PACE = Pace(live=0.25, chat=1.0)
+"""Live views over the app's own channel (app/live.py), each update costing the page what it shows: a few a second.
+The chat's bubble goes through Gradio, whose every message costs the page a fixed amount of work besides the redrawn
+answer."""
+BUSY_CORES_PACE = Pace(live=0.5, chat=3.0)
+"""PACE where the target decodes on this machine's CPU with a thread on every core (`pace`): the token view beside the
+chat shows every new piece twice a second, the bubble catches up every few seconds."""
+GRADIO_PACE = Pace(live=0.5, chat=1.0)
+"""Without a channel (a generation that runs in another process, ZeroGPU): Gradio carries every update."""
+BUSY_CORES_GRADIO_PACE = Pace(live=1.0, chat=1.0)
+"""GRADIO_PACE where the target decodes on this machine's CPU with a thread on every core."""
 LIVE_PARTS = ("head", "tokens", "stats", "chart")
 """A live view's parts, in the order they stand in it; a view has the ones it is built with (`live_view`)."""
 LIVE_JS = """
@@ -76,8 +90,7 @@ const draw = () => {
     `<text x="${W - R}" y="${H - 4}" text-anchor="end">${rows.length ? last : ''}</text>` +
     `<polyline class="emitted" points="${line(2)}"/><polyline class="accepted" points="${line(1)}"/>`;
 };
-const show = () => {
-  const v = props.value;
+const apply = (v) => {
   if (!v || typeof v !== 'object' || !v.tokens) return;
   const feed = v.tokens;
   if (feed.run !== run || feed.from === 0) { box.replaceChildren(); run = feed.run; shown = 0; rows = []; }
@@ -89,11 +102,29 @@ const show = () => {
     draw();
   }
 };
+let source = null, channel = null;
+const listen = (url) => {
+  if (url === channel) return;
+  if (source) source.close();
+  source = null;
+  channel = url;
+  if (!url) return;
+  const events = new EventSource(new URL(url, document.baseURI));
+  events.onmessage = (e) => { if (channel === url) apply(JSON.parse(e.data)); };
+  events.addEventListener('end', () => events.close());
+  source = events;
+};
+const show = () => {
+  const v = props.value;
+  apply(v);
+  listen(v && typeof v === 'object' && v.channel ? v.channel : null);
+};
 show();
 watch('value', show);
 """
 """A live view appends what each update brings (render.LiveFeed): the new pieces to its token box and the new rows to
-its chart, which it draws itself (an SVG of two lines); its heading and stats are replaced whole."""
+its chart, which it draws itself (an SVG of two lines); its heading and stats are replaced whole. A value that names a
+channel (app/live.py) has it read the updates from there until a value without one, the last, arrives."""
 
 
 class InputError(ValueError):
@@ -166,7 +197,7 @@ class Cancels:
                 del self._events[session]
 
 
-def in_background(make_events, cancel: threading.Event, interval: float = UPDATE_S) -> Iterator[list]:
+def in_background(make_events, cancel: threading.Event, interval: float) -> Iterator[list]:
     """Run the engine's event stream on its own thread and hand over everything it produced since the last batch, at
     most one batch per `interval` (the first event at once, the last as soon as the stream ends): the decode loop never
     waits on Gradio, and the UI's work is bounded by its update rate, not the engine's round rate."""
@@ -212,15 +243,17 @@ def in_background(make_events, cancel: threading.Event, interval: float = UPDATE
         worker.join()
 
 
-def update_interval(pair) -> float:
-    """How often the views of a generation on `pair` are updated: BUSY_CORES_UPDATE_S where its target computes on
-    this machine's CPU with a thread on every core, UPDATE_S elsewhere (a GPU, cores to spare, a remote backend)."""
+def pace(pair, channel: bool) -> Pace:
+    """How often the views of a generation on `pair` are updated, over the app's channel or not: the BUSY_CORES pace
+    where its target computes on this machine's CPU with a thread on every core, the other elsewhere (a GPU, cores to
+    spare, a remote backend)."""
+    calm, busy = (PACE, BUSY_CORES_PACE) if channel else (GRADIO_PACE, BUSY_CORES_GRADIO_PACE)
     target = getattr(pair, "target", None)
     device = getattr(target, "device", None)
     if device is None or getattr(device, "type", device) != "cpu":
-        return UPDATE_S
+        return calm
     threads = getattr(target, "n_threads", None) or torch.get_num_threads()  # llama.cpp's, or torch's
-    return BUSY_CORES_UPDATE_S if threads >= cpu_threads() else UPDATE_S
+    return busy if threads >= cpu_threads() else calm
 
 
 @contextlib.contextmanager
@@ -272,32 +305,72 @@ class Every:
         return False
 
 
+class Streamed:
+    """One live view's values during a generation. With a channel (app/live.py), each update goes over it and Gradio
+    keeps the view's first value, which names the channel, until the last, which it carries whole; without one,
+    Gradio carries every update."""
+
+    def __init__(self, channels: Channels | None):
+        self.channels = channels
+        self.channel = channels.open() if channels is not None else None
+        self.held: dict | None = None
+        self.final: dict | None = None
+
+    def value(self, feed: dict, done: bool) -> tuple[dict, bool]:
+        """(the view's value for Gradio, whether Gradio has not had it yet)."""
+        if self.final is not None:
+            return self.final, False
+        if done or self.channel is None:
+            if done:
+                self.final = feed
+                self.end()
+            return feed, True
+        self.channel.publish(feed)
+        if self.held is None:
+            self.held = {**feed, "channel": self.channel.url}
+            return self.held, True
+        return self.held, False
+
+    def end(self) -> None:
+        if self.channel is not None:
+            self.channels.close(self.channel)
+
+
 class ChatViews:
     """The chat tab's two outputs for one generation: the chat, and the live view (tokens, stats and chart as one
     component), as updates that cost what changed: the live view gets the new pieces and chart rows, and the chat's
-    answer is updated every CHAT_S and at the end.
+    answer is updated every `chat_s` and at the end.
 
-    The chat, when not due, gets the very value it was last sent, which Gradio's stream diff turns into nothing on the
-    wire. Not gr.skip(): Gradio reads a skip as a property update, builds the component afresh with its API schema (a
-    few ms of the app's CPU), and then sends the chat's next value whole, which the page renders whole."""
+    With a channel (app/live.py), the live view's updates go over it, and Gradio is sent an update only when the chat
+    is due (or the view's first and last value). Without one, the chat, when not due, gets the very value it was last
+    sent, which Gradio's stream diff turns into nothing on the wire. Not gr.skip(): Gradio reads a skip as a property
+    update, builds the component afresh with its API schema (a few ms of the app's CPU), and then sends the chat's
+    next value whole, which the page renders whole."""
 
-    def __init__(self, shown: list):
+    def __init__(self, shown: list, channels: Channels | None = None, chat_s: float = PACE.chat):
         self.shown = shown
         """The chat as the user sees it: the history and the new message."""
         self.live = render.LiveFeed()
-        self.chat = Every(CHAT_S)
+        self.view = Streamed(channels)
+        self.chat = Every(chat_s)
         self.chat_sent: list = shown
 
-    def update(self, live: render.Live) -> tuple:
-        """(chat, live view) for the answer so far."""
+    def update(self, live: render.Live) -> tuple | None:
+        """(chat, live view) for the answer so far, or None when Gradio has nothing new to send (the live view's
+        update went over its channel, and the chat is not due)."""
         done = live.finished is not None
-        if self.chat.due(done):
+        chat_due = self.chat.due(done)
+        if chat_due:
             answer = render.answer_text(live)
             if live.finished is not None and live.finished.stats.stop_reason == "cancelled":
                 answer += STOPPED
             self.chat_sent = [*self.shown, {"role": "assistant", "content": answer}]
         stats = render.stats_html(live.numbers(), live.algorithm)
-        return self.chat_sent, self.live.update(live, whole=done, stats=stats)
+        view, fresh = self.view.value(self.live.update(live, whole=done, stats=stats), done)
+        return (self.chat_sent, view) if chat_due or fresh else None
+
+    def end(self) -> None:
+        self.view.end()
 
 
 def column(live: render.Live | None, label: str, feed: render.LiveFeed) -> dict:
@@ -314,7 +387,7 @@ def column(live: render.Live | None, label: str, feed: render.LiveFeed) -> dict:
 class Handlers:
     """What the app's events and API endpoints run, on the one loaded pair (`Pairs`) and each session's Stop."""
 
-    def __init__(self, pairs: Pairs, slots: Slots | None = None, stream=None):
+    def __init__(self, pairs: Pairs, slots: Slots | None = None, stream=None, channels: Channels | None = None):
         self.pairs = pairs
         self.cancels = Cancels()
         self.speculative: dict[tuple, tuple[str, float]] = {}
@@ -324,6 +397,8 @@ class Handlers:
         self.remote = stream is not None
         self.stream = stream or api.stream
         """`usd.stream`, or the remote backend's stream of the same events (`app.remote`)."""
+        self.channels = channels
+        """The live views' own update channels (app/live.py); None where the handlers run in another process."""
 
     # --- shared ----------------------------------------------------------------------------------------------------
 
@@ -355,7 +430,7 @@ class Handlers:
         return events if self.remote else suggest.recording(pair, events, greedy=s.greedy)
 
     def run(
-        self, s: GenerationSettings, prompt=None, *, messages=None, chat_mode=False, cancel=None
+        self, s: GenerationSettings, prompt=None, *, messages=None, chat_mode=False, cancel=None, channel=False
     ) -> Iterator[render.Live]:
         """Stream one generation on the loaded pair as a growing `Live`; engine input errors become InputError."""
         pair, key = self.pairs.current(), self.pairs.key()
@@ -370,7 +445,9 @@ class Handlers:
             if not running:  # stopped while waiting for a slot
                 return
             events = in_background(
-                lambda: self._events(pair, s, prompt, messages, chat_mode, cancel), cancel, update_interval(pair)
+                lambda: self._events(pair, s, prompt, messages, chat_mode, cancel),
+                cancel,
+                pace(pair, channel).live,
             )
             try:
                 for batch in events:
@@ -414,11 +491,16 @@ class Handlers:
         messages.append({"role": "user", "content": prompt})
         session = request.session_hash if request else "api"
         cancel = self.cancels.start(session)
-        views = ChatViews([*history, {"role": "user", "content": prompt}])
+        channel = self.channels is not None
+        chat_s = pace(self.pairs.current(), channel).chat
+        views = ChatViews([*history, {"role": "user", "content": prompt}], self.channels, chat_s)
         try:
-            for live in self.run(s, messages=messages, cancel=cancel):
-                yield views.update(live)
+            for live in self.run(s, messages=messages, cancel=cancel, channel=channel):
+                update = views.update(live)
+                if update is not None:
+                    yield update
         finally:
+            views.end()
             self.cancels.end(session, cancel)
 
     def chat_stop(self, request: gr.Request):
@@ -426,14 +508,14 @@ class Handlers:
 
     # --- compare ---------------------------------------------------------------------------------------------------
 
-    def compare_stream(self, prompt, s: GenerationSettings) -> Iterator[tuple]:
+    def compare_stream(self, prompt, s: GenerationSettings, channel: bool = False) -> Iterator[tuple]:
         """Plain decoding, then speculative, same prompt and seed; yields (plain, speculative, summary) states."""
         if not s.greedy and s.seed is None:
             s = s.replace(seed=random.randrange(1 << 31))  # both columns must share it
         plain = spec = None
-        for plain in self.run(s.replace(algorithm=PLAIN, draft_tokens="auto"), prompt, chat_mode=True):
+        for plain in self.run(s.replace(algorithm=PLAIN, draft_tokens="auto"), prompt, chat_mode=True, channel=channel):
             yield plain, None, None
-        for spec in self.run(s, prompt, chat_mode=True):
+        for spec in self.run(s, prompt, chat_mode=True, channel=channel):
             yield plain, spec, None
         greedy = s.greedy
         divergence = self._divergence(prompt, plain, spec, greedy)
@@ -451,12 +533,24 @@ class Handlers:
     def compare_ui(self, prompt, algorithm, draft_tokens, temperature, top_p, top_k, seed, max_new_tokens):
         prompt, s = self.checked(prompt, knobs_of(locals()))
         plain_feed, spec_feed = render.LiveFeed(), render.LiveFeed()
-        for plain, spec, summary in self.compare_stream(prompt, s):
-            yield (
-                column(plain, "plain target", plain_feed),
-                column(spec, f"speculative ({s.algorithm})", spec_feed),
-                render.summary_html(summary) if summary else "",
-            )
+        plain_view, spec_view = Streamed(self.channels), Streamed(self.channels)
+        spec_label = f"speculative ({s.algorithm})"
+        sent = False
+        try:
+            for plain, spec, summary in self.compare_stream(prompt, s, channel=self.channels is not None):
+                left = column(plain, "plain target", plain_feed)
+                left, left_fresh = plain_view.value(left, plain.finished is not None)
+                if spec is None:  # waiting: its heading says so, once
+                    right, right_fresh = column(None, spec_label, spec_feed), not sent
+                else:
+                    right = column(spec, spec_label, spec_feed)
+                    right, right_fresh = spec_view.value(right, spec.finished is not None)
+                if left_fresh or right_fresh or summary:
+                    yield left, right, render.summary_html(summary) if summary else ""
+                    sent = True
+        finally:
+            plain_view.end()
+            spec_view.end()
 
     # --- API (named endpoints for gradio_client) -------------------------------------------------------------------
 
@@ -530,8 +624,11 @@ class Handlers:
 # --- the page --------------------------------------------------------------------------------------------------------
 
 
-def build(pairs: Pairs, slots: Slots | None = None, stream=api.stream) -> gr.Blocks:
-    h = Handlers(pairs, slots, stream)
+def build(pairs: Pairs, slots: Slots | None = None, stream=None) -> gr.Blocks:
+    """The app's page; `demo.usd_live`, the live views' channels, whose route `launch` adds (None where the handlers
+    run in another process)."""
+    channels = None if runs_elsewhere() else Channels()
+    h = Handlers(pairs, slots, stream, channels)
     with gr.Blocks(title="usd-chat") as demo:
         gr.Markdown(
             "# usd-chat · universal speculative decoding\nThe drafter proposes, the target verifies: the "
@@ -593,6 +690,7 @@ def build(pairs: Pairs, slots: Slots | None = None, stream=api.stream) -> gr.Blo
 
         gr.api(gpu(h.generate), api_name="generate", concurrency_id=MODELS)
         gr.api(gpu(h.compare), api_name="compare", concurrency_id=MODELS)
+    demo.usd_live = channels
     return demo
 
 

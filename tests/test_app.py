@@ -194,6 +194,8 @@ def test_browser_chat_shows_coloured_tokens_stats_and_stop_keeps_the_chat(app):
     url = app[2]
     with sync_playwright() as p:
         browser, page = open_page(p)
+        channel_reads = []  # the live view's updates over the app's own channel (app/live.py)
+        page.on("request", lambda r: channel_reads.append(r.url) if "/usd/live/" in r.url else None)
         page.goto(url)
         # slem drafts every round (auto may have learned from earlier tests that plain decoding is faster here)
         max_new = choose(page, "slem", 48)
@@ -227,6 +229,7 @@ def test_browser_chat_shows_coloured_tokens_stats_and_stop_keeps_the_chat(app):
         tps = page.locator('#stats td[data-stat="tokens/s"]').inner_text()
         assert float(tps) > 0
         expect(page.locator("#chatbot")).to_contain_text("def")
+        assert channel_reads, "the live view should read its updates from the app's channel, not Gradio's queue"
         page.screenshot(path=str(ROOT / "assets" / "screenshot.png"), full_page=True)
 
         # A second turn, stopped mid-stream: the first turn and the partial answer stay.
@@ -280,6 +283,33 @@ def test_browser_chat_marks_the_tokens_the_n_gram_lookup_drafted(app):
         assert "drafted by ngram" in (looked_up.first.get_attribute("title") or "")
         page.locator("#tokens").screenshot(path=str(ROOT / "assets" / "ngram-tokens.png"))
         browser.close()
+
+
+@pytest.mark.skipif(
+    not shutil.which("chromium") and not os.environ.get("USD_CHAT_REQUIRE_BROWSER"),
+    reason="Debian's chromium is installed by .ci/run and ./dev.sh test (.ci/run requires it)",
+)
+def test_browser_compare_tab_streams_both_columns_and_ends_identical(app):
+    """The Compare tab's columns stream over the app's channel like the chat's live view, and end whole: the same
+    tokens in both columns (greedy), which the summary says."""
+    from playwright.sync_api import expect, sync_playwright
+
+    with sync_playwright() as p:
+        browser, page = open_page(p)
+        channel_reads = []
+        page.on("request", lambda r: channel_reads.append(r.url) if "/usd/live/" in r.url else None)
+        page.goto(app[2])
+        choose(page, "slem", 32)
+        page.get_by_role("tab", name="Compare").click()
+        page.locator("#compare-prompt textarea").fill(PROMPT)
+        page.locator("#compare-run").click()
+        expect(page.locator("#compare-summary")).to_contain_text("token-identical", timeout=240_000)
+        plain = page.locator("#compare-plain-tokens .tok").all_inner_texts()
+        spec = page.locator("#compare-speculative-tokens .tok:not(.tok-rejected)").all_inner_texts()
+        expect(page.locator("#compare-speculative-head")).to_contain_text("done")
+        browser.close()
+    assert len(plain) >= 10 and "".join(plain) == "".join(spec)
+    assert len(channel_reads) >= 2, "each column reads its updates from a channel of its own"
 
 
 @pytest.mark.skipif(

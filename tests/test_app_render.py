@@ -472,7 +472,7 @@ def test_background_stream_keeps_order_raises_errors_and_cancels_when_abandoned(
     from app.ui import in_background
 
     cancel = threading.Event()
-    batches = list(in_background(lambda: iter(range(50)), cancel))
+    batches = list(in_background(lambda: iter(range(50)), cancel, 0.5))
     assert [x for b in batches for x in b] == list(range(50))
 
     def failing():
@@ -480,7 +480,7 @@ def test_background_stream_keeps_order_raises_errors_and_cancels_when_abandoned(
         raise ValueError("the prompt is empty")
 
     with pytest.raises(ValueError, match="the prompt is empty"):
-        list(in_background(failing, threading.Event()))
+        list(in_background(failing, threading.Event(), 0.5))
 
     cancel = threading.Event()
     started = threading.Event()
@@ -491,7 +491,7 @@ def test_background_stream_keeps_order_raises_errors_and_cancels_when_abandoned(
             time.sleep(0.001)
             yield 0
 
-    stream = in_background(endless, cancel)
+    stream = in_background(endless, cancel, 0.5)
     next(stream)
     stream.close()  # the browser went away: the loop must end, not run on
     assert started.is_set() and cancel.is_set()
@@ -606,7 +606,7 @@ def test_a_chat_that_is_not_due_puts_nothing_on_the_wire():
     for r in rounds[:-1]:
         live.add(r)
         sent.append(asyncio.run(on_the_wire(views.update(live))))
-    for wire in sent[1:]:  # within CHAT_S of the first update
+    for wire in sent[1:]:  # within the chat's interval of the first update
         assert wire[0] == [], wire
         replaced = [path for op, path, _ in wire[1] if op in ("add", "replace")]
         assert ["tokens", "html"] in replaced, wire
@@ -670,10 +670,10 @@ def test_an_engine_bug_reaches_the_ui_as_a_request_for_a_report_not_as_bad_input
     assert mistake.value.message.startswith("temperature must be") and not mistake.value.print_exception
 
 
-def test_views_update_once_a_second_where_the_engine_has_a_thread_on_every_core(monkeypatch):
+def test_views_update_less_often_where_the_engine_has_a_thread_on_every_core(monkeypatch):
     """Where the target computes on this machine's CPU with a thread on every core, each update of the page displaces
-    one of them (the step then waits at its barrier): the views update every BUSY_CORES_UPDATE_S there, every
-    UPDATE_S elsewhere."""
+    one of them (the step then waits at its barrier): the views keep the BUSY_CORES pace there, over the app's channel
+    or through Gradio."""
     from types import SimpleNamespace
 
     import torch
@@ -683,9 +683,17 @@ def test_views_update_once_a_second_where_the_engine_has_a_thread_on_every_core(
     monkeypatch.setattr(ui, "cpu_threads", lambda: 4)
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     on = lambda device, threads=None: SimpleNamespace(target=SimpleNamespace(device=device, n_threads=threads))  # noqa: E731
-    assert ui.update_interval(on(cpu, 4)) == ui.BUSY_CORES_UPDATE_S > ui.UPDATE_S  # llama.cpp on every core
-    assert ui.update_interval(on(cpu, 2)) == ui.UPDATE_S  # cores to spare for the page
-    assert ui.update_interval(on(cuda)) == ui.UPDATE_S
-    assert ui.update_interval(SimpleNamespace(target="a remote model")) == ui.UPDATE_S
-    monkeypatch.setattr(torch, "get_num_threads", lambda: 4)
-    assert ui.update_interval(on(cpu)) == ui.BUSY_CORES_UPDATE_S  # transformers: torch's threads
+    for channel, calm, busy in (
+        (True, ui.PACE, ui.BUSY_CORES_PACE),
+        (False, ui.GRADIO_PACE, ui.BUSY_CORES_GRADIO_PACE),
+    ):
+        assert busy.live > calm.live and busy.chat >= calm.chat
+        assert ui.pace(on(cpu, 4), channel) == busy  # llama.cpp on every core
+        assert ui.pace(on(cpu, 2), channel) == calm  # cores to spare for the page
+        assert ui.pace(on(cuda), channel) == calm
+        assert ui.pace(SimpleNamespace(target="a remote model"), channel) == calm
+        monkeypatch.setattr(torch, "get_num_threads", lambda: 4)
+        assert ui.pace(on(cpu), channel) == busy  # transformers: torch's threads
+        monkeypatch.undo()
+        monkeypatch.setattr(ui, "cpu_threads", lambda: 4)
+    assert ui.BUSY_CORES_PACE.live < 1.0, "the token view updates a few times a second even there"
