@@ -72,7 +72,8 @@ LIVE_PARTS = ("head", "tokens", "stats", "chart")
 LIVE_JS = """
 const part = (name) => element.querySelector('.live-' + name);
 const box = element.querySelector('.tokens'), head = part('head'), stats = part('stats'), chart = part('chart');
-let run = null, shown = 0, rows = [];
+let run = null, shown = 0, rows = [], drawn = -Infinity;
+const CHART_MS = 2000;  // the chart, redrawn whole, is drawn at most this often, and on every whole value (the last)
 const W = 360, H = 150, L = 34, R = 10, T = 8, B = 20;
 const draw = () => {
   if (!chart) return;
@@ -93,13 +94,15 @@ const draw = () => {
 const apply = (v) => {
   if (!v || typeof v !== 'object' || !v.tokens) return;
   const feed = v.tokens;
-  if (feed.run !== run || feed.from === 0) { box.replaceChildren(); run = feed.run; shown = 0; rows = []; }
+  if (feed.run !== run || feed.from === 0) {
+    box.replaceChildren(); run = feed.run; shown = 0; rows = []; drawn = -Infinity;
+  }
   if (feed.from === shown) { box.insertAdjacentHTML('beforeend', feed.html); shown = feed.to; }
   if (head && v.head !== undefined) head.innerHTML = v.head;
   if (stats && v.stats !== undefined) stats.innerHTML = v.stats;
   if (chart && v.chart && v.chart.from === rows.length) {
     rows.push(...v.chart.rows);
-    draw();
+    if (performance.now() - drawn >= CHART_MS) { draw(); drawn = performance.now(); }
   }
 };
 let source = null, channel = null;
@@ -123,8 +126,9 @@ show();
 watch('value', show);
 """
 """A live view appends what each update brings (render.LiveFeed): the new pieces to its token box and the new rows to
-its chart, which it draws itself (an SVG of two lines); its heading and stats are replaced whole. A value that names a
-channel (app/live.py) has it read the updates from there until a value without one, the last, arrives."""
+its chart, which it draws itself (an SVG of two lines) at most every CHART_MS and at the end (a redraw at every
+update cost the engine several percent on a 2-core machine); its heading and stats are replaced whole. A value that
+names a channel (app/live.py) has it read the updates from there until a value without one, the last, arrives."""
 
 
 class InputError(ValueError):

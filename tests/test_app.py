@@ -184,6 +184,15 @@ def choose(page, algorithm: str, max_new_tokens: int):
     return max_new
 
 
+def rounds_in_stats(page) -> int:
+    return int(page.locator('#stats td[data-stat="tokens · rounds · seconds"]').inner_text().split("·")[1])
+
+
+def chart_points(page) -> int:
+    """The points of the chart's line of emitted tokens: one per round drawn."""
+    return len((page.locator("#chart polyline.emitted").get_attribute("points") or "").split())
+
+
 @pytest.mark.skipif(
     not shutil.which("chromium") and not os.environ.get("USD_CHAT_REQUIRE_BROWSER"),
     reason="Debian's chromium is installed by .ci/run and ./dev.sh test (.ci/run requires it)",
@@ -228,6 +237,7 @@ def test_browser_chat_shows_coloured_tokens_stats_and_stop_keeps_the_chat(app):
         expect(page.locator("#stats")).to_contain_text("stopped: max_tokens")
         tps = page.locator('#stats td[data-stat="tokens/s"]').inner_text()
         assert float(tps) > 0
+        assert chart_points(page) == rounds_in_stats(page)  # the chart is drawn whole at the end
         expect(page.locator("#chatbot")).to_contain_text("def")
         assert channel_reads, "the live view should read its updates from the app's channel, not Gradio's queue"
         page.screenshot(path=str(ROOT / "assets" / "screenshot.png"), full_page=True)
@@ -238,9 +248,10 @@ def test_browser_chat_shows_coloured_tokens_stats_and_stop_keeps_the_chat(app):
         page.locator("#message textarea").fill("Now explain, step by step and at length, how it works.")
         page.locator("#send").click()
         expect(page.locator("#stats .stop-reason")).to_have_count(0, timeout=60_000)  # the new answer has started
-        time.sleep(2)
+        time.sleep(1)  # within the chart's interval of its first drawing (app/ui.py CHART_MS)
         page.locator("#stop").click()
         expect(page.locator("#stats")).to_contain_text("stopped: cancelled", timeout=60_000)
+        assert chart_points(page) == rounds_in_stats(page), "the chart is drawn whole at the end, however soon"
         chat = page.locator("#chatbot")
         expect(chat).to_contain_text("[stopped]")
         expect(chat).to_contain_text("checks whether a number is prime")
