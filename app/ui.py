@@ -48,8 +48,8 @@ MODELS = "models"
 class Pace:
     """The least time between two updates of a generation's views: its live views (token view, stats, chart) and the
     chat's answer bubble. Rounds in between are merged into one update; the first goes out at once, the last as soon
-    as the answer ends. Each update costs the browser work on, on a CPU machine, the cores the engine decodes on, and
-    where the engine has a thread on every core each piece of it displaces one and the step waits at its barrier.
+    as the answer ends. Each update costs the browser work, on a CPU machine on the cores the engine decodes on; where
+    the engine has a thread on every core, each piece of that work displaces one and the step waits at its barrier.
     Measured in docs/benchmarks.md ("The Chat tab against the engine")."""
 
     live: float

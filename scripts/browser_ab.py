@@ -36,12 +36,11 @@ def main() -> None:
 
     from playwright.sync_api import sync_playwright
 
-    apps, urls, here = {}, {}, bench.ROOT
+    apps, urls = {}, {}
     for name, root in zip(VERSIONS, (args.a, args.b), strict=True):
-        bench.ROOT, port = Path(root).resolve(), bench.free_port()  # start_app runs the app in bench.ROOT
-        apps[name] = bench.start_app(port, pair, Path(f"/tmp/browser-ab-{name}.log"))
+        port = bench.free_port()
+        apps[name] = bench.start_app(port, pair, Path(f"/tmp/browser-ab-{name}.log"), Path(root).resolve())
         urls[name] = f"http://127.0.0.1:{port}/"
-    bench.ROOT = here
     speeds: dict[str, dict[str, list[float]]] = {name: {} for name in (*VERSIONS, "engine")}
     try:
         with sync_playwright() as playwright:

@@ -61,7 +61,8 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_app(port: int, args, log_path: Path) -> subprocess.Popen:
+def start_app(port: int, args, log_path: Path, root: Path = ROOT) -> subprocess.Popen:
+    """The app as a user starts it, from the checkout at `root`, on `port`; back once its page answers."""
     env = {**os.environ, "GRADIO_ANALYTICS_ENABLED": "False", "USD_CHAT_RECORD": "0"}
     command = [sys.executable, "-m", "app", "--port", str(port)]
     if args.app_threads:  # an experiment: llama.cpp on fewer threads than cores in the app only
@@ -78,7 +79,7 @@ def start_app(port: int, args, log_path: Path) -> subprocess.Popen:
         if getattr(args, name):
             command += [f"--{name}", getattr(args, name)]
     log = open(log_path, "w")  # noqa: SIM115 (closed with the process)
-    proc = subprocess.Popen(command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(command, cwd=root, env=env, stdout=log, stderr=subprocess.STDOUT)
     deadline = time.time() + 900
     while True:
         if proc.poll() is not None:
