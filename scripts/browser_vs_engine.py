@@ -121,8 +121,12 @@ class Page:
         self.page.goto(url)
         self.page.locator("#settings").get_by_text("Settings").first.click()
         box = self.page.locator("#max-new-tokens input")
-        box.fill(str(tokens))
-        box.press("Tab")
+        # Gradio sets the settings' first values again a moment after their accordion opens, over what was typed
+        # (tests/test_app.py typed_and_kept): type until it stays
+        while box.input_value() != str(tokens):
+            box.fill(str(tokens))
+            box.press("Tab")
+            self.page.wait_for_timeout(500)
 
     def set_algorithm(self, algorithm: str) -> None:
         from playwright.sync_api import expect
