@@ -8,7 +8,11 @@ machine a difference of a few percent only shows this way, not between two runs 
 Each version runs as a user starts it (`python -m app` in its own checkout, the default pair); both stay loaded, only
 one answers at a time. Each version's first answer (auto after a load) is left out. Per repeat: for each algorithm,
 one answer from each version (which goes first alternates) and one `usd generate`. Prints the medians and their
-ratios to `usd generate`."""
+ratios to `usd generate`.
+
+Its positions are not equal: with the same commit as both versions, B ran 8-10% faster than A in every pair of
+answers (docs/benchmarks.md, docs/bench/ab-same-code.json), cause not found. Run a same-code check first, and a
+change in both orders (--a old --b new, then --a new --b old) before reading a difference."""
 
 from __future__ import annotations
 
