@@ -123,10 +123,14 @@ class Page:
         box = self.page.locator("#max-new-tokens input")
         # Gradio sets the settings' first values again a moment after their accordion opens, over what was typed
         # (tests/test_app.py typed_and_kept): type until it stays
-        while box.input_value() != str(tokens):
+        for _ in range(5):
             box.fill(str(tokens))
             box.press("Tab")
             self.page.wait_for_timeout(500)
+            if box.input_value() == str(tokens):
+                break
+        else:
+            raise SystemExit(f"the page did not keep max new tokens at {tokens}")
 
     def set_algorithm(self, algorithm: str) -> None:
         from playwright.sync_api import expect
