@@ -10,7 +10,7 @@ from pathlib import Path
 
 from usd.catalog import NO_DRAFTER as NO_DRAFTER_ARG
 from usd.catalog import add_pair_arguments
-from usd.serve.main import API_KEY_ENV
+from usd.hugepages import restart_with_huge_pages
 from usd.settings import PRECISIONS
 
 CSS_PATH = Path(__file__).resolve().parent / "app.css"
@@ -39,6 +39,7 @@ def create(
     A pair that fails to load leaves the UI up, saying why. With `backend` (an OpenAI-compatible server's /v1 URL)
     the UI is a front end for that server instead: no local pair, no /v1 of its own."""
     from usd.catalog import load_catalog
+    from usd.serve.main import API_KEY_ENV
     from usd.serve.slots import Slots
 
     from .pairs import NO_DRAFTER, Pairs
@@ -104,6 +105,8 @@ def launch(demo, host: str, port: int | None, share: bool = False, concurrency: 
 
 
 def main(argv: list[str] | None = None) -> int:
+    from usd.serve.main import API_KEY_ENV
+
     os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")  # no calls home from a local app
 
     parser = argparse.ArgumentParser(prog="usd-chat", description="usd-chat: lossless speculative decoding, any pair")
@@ -157,5 +160,12 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def run() -> int:
+    """The program (`python -m app`, `usd-chat`, the Space): restarted in huge pages where that helps
+    (usd/hugepages.py), before anything heavy is imported, then main()."""
+    restart_with_huge_pages()
+    return main()
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run())

@@ -69,9 +69,9 @@ def start_app(port: int, args, log_path: Path, root: Path = ROOT) -> subprocess.
         command = [
             sys.executable,
             "-c",
+            f"from usd.hugepages import restart_with_huge_pages; restart_with_huge_pages(); "
             f"import sys, usd.runners.llamacpp.model as m; m.cpu_threads = lambda: {args.app_threads}; "
-            f"from app.__main__ import "
-            f"main; sys.exit(main(sys.argv[1:]))",
+            f"from app.__main__ import main; sys.exit(main(sys.argv[1:]))",
             "--port",
             str(port),
         ]
@@ -219,7 +219,11 @@ def engine_on_a_thread(algorithm: str, prompt: str, tokens: int, args) -> dict:
 
 
 def worker_engine(args) -> None:
-    """--worker-engine: load the pair as `usd generate` does, generate once on a worker thread, print the times."""
+    """--worker-engine: load the pair as `usd generate` does (restarted in huge pages, as `usd` is), generate once on
+    a worker thread, print the times."""
+    from usd.hugepages import restart_with_huge_pages
+
+    restart_with_huge_pages()
     import usd
 
     pair = usd.load_pair(args.target, args.drafter if args.worker_engine != "none" else False, log=lambda *_: None)

@@ -130,4 +130,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    from usd.hugepages import restart_with_huge_pages
+
+    restart_with_huge_pages()  # the weights in huge pages, as in `usd` and the app
     main()
