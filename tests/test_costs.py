@@ -83,3 +83,15 @@ def test_auto_never_drafts_with_the_model_where_it_cannot_pay_and_says_why_from_
         r.bound is not None and (r.bound.k, r.bound.speedup) == (k, bound) for r in rounds if r.algorithm == "none"
     )
     assert not drafter_calls, "the drafter was run (its prompt prefilled) although auto never drafts"
+
+
+def test_timings_are_kept_apart_per_cpu_and_per_page_size(pair, monkeypatch):
+    """One host name has had different CPUs from session to session, and huge pages change a step's cost: a cache
+    entry from another CPU or page size must not decide auto's bound here."""
+    keys = set()
+    for cpu in ("Intel(R) Xeon(R) Processor", "AMD EPYC 9R14 96-Core Processor"):
+        for huge in (True, False):
+            monkeypatch.setattr(costs, "cpu_name", lambda cpu=cpu: cpu)
+            monkeypatch.setattr(costs, "huge_pages_in_use", lambda huge=huge: huge)
+            keys.add(costs.machine_key(pair))
+    assert len(keys) == 4

@@ -18,8 +18,9 @@ from pathlib import Path
 
 import torch
 
+from .hugepages import huge_pages_in_use
 from .runners import is_own_runner
-from .runners.transformers.cpu_kernels import busy, read_choices, write_choices
+from .runners.transformers.cpu_kernels import busy, cpu_name, read_choices, write_choices
 from .schedule import measured_v, speedup_bound
 from .vocab import ceiling_of
 
@@ -83,9 +84,9 @@ def measure(pair) -> dict:
 
 
 def machine(model) -> str:
-    """What the timings belong to: this host, its CPU count, the device, the weights and the runner of the model. A
-    model that is its own runner (the llama.cpp runner, precision gguf) runs its GGUF's own quantized weights and has
-    no torch parameters to ask."""
+    """What the timings belong to: this host, its CPU and their count, the pages its large allocations get (huge or
+    not: usd/hugepages.py), the device, the weights and the runner of the model. A model that is its own runner (the
+    llama.cpp runner, precision gguf) runs its GGUF's own quantized weights and has no torch parameters to ask."""
     own_runner = is_own_runner(model)
     if own_runner:
         where, runner = f"{model.device.type}/gguf", type(model).__name__
@@ -93,7 +94,8 @@ def machine(model) -> str:
         param = next(iter(model.parameters()), None)
         where = f"{param.device.type}/{str(param.dtype).removeprefix('torch.')}" if param is not None else "?"
         runner = "transformers"
-    return f"{platform.node()}/{platform.machine()}/{os.cpu_count()}cpu/{where}/{runner}"
+    pages = "huge-pages" if huge_pages_in_use() else "small-pages"
+    return f"{platform.node()}/{cpu_name()}/{os.cpu_count()}cpu/{pages}/{where}/{runner}"
 
 
 def machine_key(pair) -> str:

@@ -28,16 +28,19 @@ not cached: other work makes oneDNN's spinning threads wait their turn, which ca
 runs on a quiet machine, and a cached choice would keep that mistake."""
 
 
-def machine_key() -> str:
-    cpu = platform.processor() or platform.machine()
+def cpu_name() -> str:
+    """The CPU's model name where the OS gives one (hosts of one name differ in CPU from session to session)."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
+                return line.split(":", 1)[1].strip()
     except OSError:
         pass
-    return f"{cpu}|threads={torch.get_num_threads()}|torch={torch.__version__}"
+    return platform.processor() or platform.machine()
+
+
+def machine_key() -> str:
+    return f"{cpu_name()}|threads={torch.get_num_threads()}|torch={torch.__version__}"
 
 
 class OneDNNLinear(torch.nn.Module):
