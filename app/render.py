@@ -238,26 +238,49 @@ def fmt(x, spec: str = ".2f", unit: str = "", missing: str = "–") -> str:
     return missing if x is None else f"{x:{spec}}{unit}"
 
 
+def speculation_cost_share(n: dict) -> float | None:
+    """The most this answer's speculative rounds can have added to its time, as a share of it: each took k drafter
+    steps of c and a verify of v target steps where a plain round takes one step (what they emitted beyond one token
+    only took time back). None where a number it needs is missing."""
+    rounds = n.get("rounds_by_algorithm") or {}
+    speculative = sum(count for name, count in rounds.items() if name != PLAIN.value)
+    step, wall, c, v, k = (n.get(key) for key in ("step_s", "wall_s", "c", "v", "mean_k"))
+    if not speculative or not wall or None in (step, c, v, k):
+        return None
+    return speculative * (k * c + v - 1) * step / wall
+
+
 def warning_text(n: dict, algorithm: str) -> str | None:
-    """A plain-words warning when speculation is costing time on this pair and this hardware."""
+    """A plain-words warning when speculation is costing time on this pair and this hardware, with the cause its
+    numbers show. None where it drafted nothing, or where its rounds cannot have cost the time missing (an auto answer
+    that drafted in a few rounds, measured against another answer a little faster)."""
     speedup = n.get("measured_speedup")
     if Algorithm(algorithm).plain or speedup is None or speedup >= SLOWER or n.get("acceptance_rate") is None:
         return None  # (an answer that drafted nothing was not slowed by speculation)
-    why = ""
-    if n.get("c") is not None:
-        why = (
-            f" Each drafted token costs {n['c']:.2f} of a target step and only "
-            f"{fmt(n.get('acceptance_rate'), '.0%')} of drafts are kept."
-        )
+    share = speculation_cost_share(n)
+    if share is not None and share < 1 - SLOWER:
+        return None
+    c, v, k = n.get("c"), n.get("v"), n.get("mean_k")
+    kept = f"only {fmt(n.get('acceptance_rate'), '.0%')} of drafts are kept"
     advice = (
-        "auto falls back to plain decoding when it measures this; "
+        "auto falls back to plain decoding when it measures this"
         if not Algorithm(algorithm).chooses
-        else "auto is still measuring and will fall back to plain decoding; "
+        else "auto is still measuring and will fall back to plain decoding"
     )
+    if c is not None and v is not None and k and k * c < v - 1:  # the verify, not the drafter, costs the round
+        why = (
+            f"Drafting is cheap here (a drafted token costs {c:.2f} of a target step), but checking the drafts costs "
+            f"the target nearly as much as decoding them one by one (a verify costs {v:.2f} target steps), and "
+            f"{kept}. Typical of a CPU with few cores: {advice}; a GPU or more cores change the balance."
+        )
+    else:
+        cost = f"Each drafted token costs {c:.2f} of a target step and {kept}. " if c is not None else ""
+        why = (
+            f"{cost}The drafter is too slow relative to the target here (typical on a CPU, or with a small target): "
+            f"{advice}; a GPU, a bigger target or a smaller drafter changes the balance."
+        )
     return (
-        f"Speculation is slowing this pair down on this hardware: {speedup:.2f}x the speed of the target alone."
-        f"{why} The drafter is too slow relative to the target here (typical on a CPU, or with a small target): "
-        f"{advice}a GPU, a bigger target or a smaller drafter changes the balance."
+        f"Speculation is slowing this pair down on this hardware: {speedup:.2f}x the speed of the target alone. {why}"
     )
 
 

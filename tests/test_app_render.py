@@ -544,6 +544,33 @@ def test_an_answer_that_drafted_nothing_is_not_warned_about_speculation():
     assert render.warning_text({"measured_speedup": 0.8, "acceptance_rate": None}, "auto") is None
 
 
+def auto_answer(speculative_rounds: int, c: float, v: float) -> dict:
+    """An auto answer's numbers, 256 rounds of 0.06 s steps, measured at 0.94x an earlier plain answer."""
+    rounds = {"none": 256 - speculative_rounds, "tli": speculative_rounds}
+    return {"measured_speedup": 0.94, "acceptance_rate": 0.5, "rounds_by_algorithm": rounds, "c": c, "v": v} | {
+        "mean_k": 1.0,
+        "step_s": 0.06,
+        "wall_s": 256 * 0.06 / 0.94,
+    }
+
+
+def test_a_few_probing_rounds_are_not_blamed_for_a_slower_answer():
+    """Seen in the Chat tab: auto probed in a handful of its 256 rounds and ran at 0.94x an earlier plain answer; its
+    rounds cannot have cost 6%, so the panel shows the number and no warning that blames speculation."""
+    assert render.speculation_cost_share(auto_answer(4, 0.2, 1.6)) < 1 - render.SLOWER
+    assert render.warning_text(auto_answer(4, 0.2, 1.6), "auto") is None
+    assert "slowing this pair down" in render.warning_text(auto_answer(120, 0.2, 1.6), "auto")
+
+
+def test_the_warning_names_the_cost_its_numbers_show():
+    """A cheap drafter (c 0.03) with a costly verify is not "a drafter too slow for the target"."""
+    verify = render.warning_text(auto_answer(120, 0.03, 1.6), "auto")
+    assert "checking the drafts costs the target" in verify and "1.60 target steps" in verify
+    assert "drafter is too slow" not in verify
+    drafter = render.warning_text(auto_answer(120, 0.9, 1.2), "auto")
+    assert "drafter is too slow" in drafter and "0.90 of a target step" in drafter
+
+
 def test_the_chart_legend_says_what_its_lines_are():
     from app.ui import live_view
 
