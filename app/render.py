@@ -271,7 +271,7 @@ def warning_text(n: dict, algorithm: str) -> str | None:
         why = (
             f"Drafting is cheap here (a drafted token costs {c:.2f} of a target step), but checking the drafts costs "
             f"the target nearly as much as decoding them one by one (a verify costs {v:.2f} target steps), and "
-            f"{kept}. Typical of a CPU with few cores: {advice}; a GPU or more cores change the balance."
+            f"{kept} (typical on a CPU with few cores): {advice}; a GPU or more cores change the balance."
         )
     else:
         cost = f"Each drafted token costs {c:.2f} of a target step and {kept}. " if c is not None else ""
