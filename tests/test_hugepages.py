@@ -180,3 +180,15 @@ def test_the_llamacpp_runners_weights_load_into_huge_pages(real_paths):
     assert huge_kib >= anonymous_kib // 2, f"{huge_kib} KiB of the load's {anonymous_kib} KiB in huge pages"
     anonymous_kib, huge_kib = map(int, child(code, **cache, GLIBC_TUNABLES="glibc.malloc.hugetlb=0").split())
     assert huge_kib == 0
+
+
+def test_a_restart_that_fails_leaves_the_program_running(monkeypatch):
+    monkeypatch.setattr(hugepages, "thp_mode", lambda: "madvise")
+    monkeypatch.setattr(hugepages, "glibc_version", lambda: GLIBC)
+    monkeypatch.delenv("GLIBC_TUNABLES", raising=False)
+
+    def execve(path, argv, env):
+        raise PermissionError(13, "Permission denied", path)
+
+    monkeypatch.setattr(os, "execve", execve)
+    hugepages.restart_with_huge_pages()  # returns: the program goes on in 4 KiB pages

@@ -78,8 +78,11 @@ def restart_with_huge_pages() -> None:
     """For the programs' entry points only, before they import or load anything: replace this process with the same
     command under the tunable, where that helps (the module docstring). Returns only where it does not."""
     env = environment_with_huge_pages(os.environ, thp_mode(), glibc_version())
-    if env is None:
+    if env is None or not sys.executable:  # (an embedded interpreter has no executable to restart)
         return
     sys.stdout.flush()
     sys.stderr.flush()
-    os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], env)
+    try:
+        os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], env)
+    except OSError:
+        return  # not restarted: the program runs as it is, in 4 KiB pages
