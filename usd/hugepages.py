@@ -1,5 +1,6 @@
-"""Huge pages for the models' weights: the `usd` and `usd-chat` programs restart themselves once, at their start, with
-glibc asked to put every large allocation in transparent huge pages.
+"""Huge pages for the models' weights: the programs (`usd`, `usd-chat`, `python -m app`, the Space, `python -m
+usd.bench`) restart themselves once, at their start, with glibc asked to put every large allocation in transparent
+huge pages.
 
 Why: decoding reads all of the target's weights every step. llama.cpp repacks a GGUF's weights into memory it
 allocates with malloc, and where the kernel gives transparent huge pages only to memory that asks for them (the
@@ -7,7 +8,7 @@ allocates with malloc, and where the kernel gives transparent huge pages only to
 touches hundreds of thousands of them, far more than the TLB holds. glibc (2.35 and later) asks for them itself
 under the tunable `glibc.malloc.hugetlb=1`, but reads its tunables only when a process starts, and nothing can ask
 later for memory already written (MADV_COLLAPSE, the one way, is missing from some kernels). Hence the restart,
-before anything is loaded. docs/benchmarks.md ("Huge pages") has the measurement, side by side.
+before anything is loaded. docs/benchmarks.md ("Huge pages for the weights") has the measurement, side by side.
 
 Not done where it cannot help (another OS or C library, an older glibc, a kernel that gives huge pages to every
 mapping already or to none), nor where the process was started with any `glibc.malloc.hugetlb` choice of its own:
@@ -52,11 +53,16 @@ def glibc_version() -> tuple[int, ...] | None:
         return None
 
 
+def glibc_can_ask(mode: str | None, glibc: tuple[int, ...] | None) -> bool:
+    """Whether the tunable decides the pages here: the kernel gives huge pages on request, and glibc can ask."""
+    return mode == "madvise" and glibc is not None and glibc >= FIRST_GLIBC_WITH_IT
+
+
 def environment_with_huge_pages(
     environ: Mapping[str, str], mode: str | None, glibc: tuple[int, ...] | None
 ) -> dict[str, str] | None:
     """The environment to restart in, or None where a restart would not help or the tunable was chosen already."""
-    if mode != "madvise" or glibc is None or glibc < FIRST_GLIBC_WITH_IT:
+    if not glibc_can_ask(mode, glibc):
         return None
     tunables = environ.get("GLIBC_TUNABLES", "")
     if TUNABLE in tunables:
@@ -69,9 +75,8 @@ def huge_pages_in_use(environ: Mapping[str, str] = os.environ) -> bool:
     mode = thp_mode()
     if mode != "madvise":
         return mode == "always"
-    glibc = glibc_version()
     asked = {f"{TUNABLE}=1", f"{TUNABLE}=2"} & set(environ.get("GLIBC_TUNABLES", "").split(":"))
-    return bool(asked) and glibc is not None and glibc >= FIRST_GLIBC_WITH_IT
+    return bool(asked) and glibc_can_ask(mode, glibc_version())
 
 
 def restart_with_huge_pages() -> None:
