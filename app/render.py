@@ -11,7 +11,7 @@ import time
 from dataclasses import dataclass, field
 
 from usd.algorithms import NAMES, PLAIN, Algorithm, Proposal
-from usd.events import KINDS, Finished, Piece, Round, Stats
+from usd.events import KINDS, Finished, Piece, Round, Source, SourceState, Stats
 
 KIND_LABELS = {
     "accepted": "accepted: drafted and kept",
@@ -202,27 +202,56 @@ class Live:
 
 
 def auto_choice(event: Round) -> str:
-    """What auto ran this round and the cost model's reason, in words."""
+    """What auto ran this round and the cost model's reason, in words, then why each other source is off."""
+    why = _choice(event)
+    off = [_source_text(s) for s in event.sources if s.state is not SourceState.IN_USE]
+    return f"{why}. Off: {'; '.join(off)}" if off else why
+
+
+def _choice(event: Round) -> str:
     if event.algorithm != PLAIN:  # (a third-party server may name none)
-        expected = f", expected {event.expected_speedup:.2f}x" if event.expected_speedup else ""
-        return f"{event.algorithm} k={event.k}{_drafted_by(event.algorithm)}{expected}"
+        return f"{event.algorithm} k={event.k}{_drafted_by(event.algorithm)}{_gain(event)}"
     if event.bound is not None:
         b = event.bound
         text = (
             f"plain decoding: the drafter model cannot pay on this machine. Even if every drafted token were "
             f"accepted, the best draft length (k={b.k}) would run at {b.speedup:.2f}x the target alone: "
             f"(k+1) / (k·c + v(k)) = {b.k + 1} / ({b.k}·{b.c:.2f} + {b.v:.2f}), with the drafter's step c = {b.c:.2f} "
-            f"of the target's and a verify of {b.k + 1} tokens v({b.k}) = {b.v:.2f} steps, measured at load"
+            f"of the target's and a verify of {b.k + 1} tokens v({b.k}) = {b.v:.2f} steps, measured {b.measured}"
         )
         if event.declined is not None:  # what is left to weigh: a lookup, which drafts for free
             algorithm, k, speedup = event.declined
             text += f"; {algorithm} k={k}, drafting without the model, is expected at {speedup:.2f}x this round"
         return text
     if event.declined is None:
-        return "plain decoding (still measuring)"
+        return "plain decoding (still measuring)" if not event.sources else "plain decoding"
     algorithm, k, speedup = event.declined
     verdict = "speculation does not pay on this machine" if speedup < 1 else "re-measuring plain decoding"
     return f"plain decoding: the best speculation, {algorithm} k={k}, is expected at {speedup:.2f}x; {verdict}"
+
+
+def _gain(event: Round) -> str:
+    """The source in use's gain: what it achieved in this answer, else what the cost model expected."""
+    used = next((s for s in event.sources if s.state is SourceState.IN_USE), None)
+    if used is not None and used.speedup is not None and event.expected_speedup != used.speedup:
+        return f", {used.speedup:.2f}x plain decoding in this answer so far"
+    return f", expected {event.expected_speedup:.2f}x" if event.expected_speedup else ""
+
+
+SOURCE_WORDS = {
+    SourceState.CANNOT_PAY: "cannot pay on this machine: at most {x} with every drafted token accepted",
+    SourceState.DROPPED: "dropped for this answer: its rounds ran at {x} plain decoding",
+    SourceState.NO_MATCH: "the lookup finds no earlier text to copy here",
+    SourceState.BUDGET: "trying it now could cost more than the answer's probing budget has left",
+    SourceState.UNTRIED: "not tried yet",
+    SourceState.LOSES: "expected at {x} plain decoding; tried again now and then",
+    SourceState.SLOWER: "expected at {x}, less than the source in use",
+}
+"""Why a source is off, in words ({x}: its speedup)."""
+
+
+def _source_text(source: Source) -> str:
+    return f"{source.name}: {SOURCE_WORDS[source.state].format(x=fmt(source.speedup, '.2f', 'x'))}"
 
 
 def _drafted_by(algorithm: str) -> str:

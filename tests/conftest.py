@@ -63,9 +63,10 @@ def one_thread():
 @pytest.fixture
 def auto_switching(monkeypatch):
     """auto as the distribution tests need it: unseeded (so it may switch to tli, whose draws depend on where rounds
-    are cut) and switching between its modes in a seeded random order. Its real choice follows this machine's timings:
-    where speculation loses it rarely probes, so a test of what switching does to the distribution would see too few
-    drafted tokens to tell (the cost model has its own tests in test_schedule.py)."""
+    are cut) and switching between its modes in a seeded random order, each at its own k. Its real choice follows this
+    machine's timings: where speculation loses it rarely probes (within its probing budget), so a test of what
+    switching does to the distribution would see too few drafted tokens to tell (the cost model has its own tests in
+    test_schedule.py)."""
     import random
 
     import usd.decoder
@@ -76,6 +77,7 @@ def auto_switching(monkeypatch):
     def switching(*args, **kwargs):
         schedule = real(*args, **{**kwargs, "seeded_sampling": False})
         schedule._choose = lambda modes: order.choice(modes)  # those it may run this round
+        schedule._fit = lambda mode: schedule.k_for(mode)  # at their own k, whatever the probing budget says
         return schedule
 
     monkeypatch.setattr(usd.decoder, "Schedule", switching)

@@ -95,3 +95,39 @@ def test_timings_are_kept_apart_per_cpu_and_per_page_size(pair, monkeypatch):
             monkeypatch.setattr(costs, "huge_pages_in_use", lambda huge=huge: huge)
             keys.add(costs.machine_key(pair))
     assert len(keys) == 4
+
+
+def test_what_auto_learned_while_decoding_is_kept_for_the_next_process_on_this_machine(pair, tmp_path):
+    """The load's timings promise a gain (c 0.14, v(1) 1.53), the loop measures a loss (c 0.30, v(1) 2.06, v(4)
+    4.1): a restart reads what the loop learned, so its auto leaves the drafter model out from the first round instead
+    of trying it again; a damaged entry is not used."""
+    from usd.record import RoundRecord
+    from usd.schedule import Schedule
+
+    def restarted() -> Pair:
+        fresh = Pair(pair.target, pair.target_tokenizer, pair.drafter, pair.drafter_tokenizer, *names)
+        fresh.memory["costs"] = dict(at_load)
+        costs.restore_learned(fresh, tmp_path)
+        return fresh
+
+    names, step = ("tiny-target", "tiny-drafter"), 0.03
+    at_load = {"step_s": step, "c": 0.14, "v": {"1": 1.53, "2": 1.9, "4": 2.6}, "feed": 0.01}
+    first = restarted()
+    assert "schedule" not in first.memory and Schedule(first, "auto", "auto").bound is None
+    s = Schedule(first, "auto", "auto")
+    for _ in range(5):
+        s.observe(RoundRecord("none", 0, 0, 0, verify_s=step))
+        s.observe(RoundRecord("tli", 1, 1, 0, draft_steps=1, draft_s=0.30 * step, verify_s=2.06 * step))
+        s.observe(RoundRecord("tli", 4, 4, 0, draft_steps=4, draft_s=4 * 0.30 * step, verify_s=4.1 * step))
+    costs.remember(first)
+
+    second = Schedule(restarted(), "auto", "auto")
+    assert second.bound is not None and second.bound.measured == "while decoding"
+    assert (second.bound.c, second.modes) == (pytest.approx(0.30), ["none"])
+
+    learned_key = costs.machine_key(first) + costs.LEARNED
+    cache = tmp_path / costs.CACHE_FILE
+    damaged = json.loads(cache.read_text())
+    damaged[learned_key]["steps"] = {"0": ["x"]}
+    cache.write_text(json.dumps(damaged))
+    assert "schedule" not in restarted().memory

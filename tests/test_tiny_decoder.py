@@ -376,6 +376,7 @@ def test_seeded_auto_mixing_plain_slem_and_ngram_is_distributed_as_plain_samplin
         schedule = real(*args, **kwargs)
         assert schedule.modes == ["none", "slem", "ngram"], "a seeded auto mixes plain decoding, slem and ngram only"
         schedule._choose = lambda modes: order.choice(modes)
+        schedule._fit = lambda mode: schedule.k_for(mode)  # at their own k, whatever the probing budget says
         return schedule
 
     monkeypatch.setattr(usd.decoder, "Schedule", switching)

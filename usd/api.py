@@ -72,6 +72,7 @@ def load_pair(
     _token_limits(pair)
     if d:  # what auto's bound needs before its first round (usd/costs.py)
         pair.memory["costs"] = costs.costs_for(pair, cache_dir(), log)
+        costs.restore_learned(pair, cache_dir())
     return pair
 
 

@@ -11,6 +11,7 @@ slope, as auto's cost model reads V(n).
 
 from __future__ import annotations
 
+import json
 import os
 import platform
 import time
@@ -21,12 +22,14 @@ import torch
 from .hugepages import huge_pages_in_use
 from .runners import is_own_runner
 from .runners.transformers.cpu_kernels import busy, cpu_name, read_choices, write_choices
-from .schedule import measured_v, speedup_bound
+from .schedule import measured_v, speedup_bound, valid_memory
 from .vocab import ceiling_of
 
 FED = (5, 3, 2)
 """Positions a timed verify feeds besides the plain step (k = 4, 2, 1), longest first: a sliding-window cache can
 always crop what it just fed."""
+FEED = 32
+"""Positions of the drafter's timed catch-up (a forward over what it lacks, as after plain rounds: `feed`)."""
 REPEATS = 2
 CONTEXT = 64
 """Tokens in the contexts timed: a short chat's prompt."""
@@ -41,7 +44,7 @@ TEXT = (
 def timed_forward(ctx, base: list[int], n: int) -> float:
     """Seconds of one forward over the last n tokens of `base`, the cache holding the rest (as a verify forward)."""
     ctx.truncate(len(base) - n)
-    if getattr(ctx, "cached", len(ctx.ids)) < len(ctx.ids):
+    if ctx.cached < len(ctx.ids):
         ctx.forward(keep=1)  # a sliding-window cache was rebuilt: refill it, untimed
     ctx.ids.extend(base[len(base) - n :])
     t0 = time.perf_counter()
@@ -63,10 +66,11 @@ def _context(runner, tokenizer):
 
 @torch.inference_mode()
 def measure(pair) -> dict:
-    """{"step_s": the target's step, "c": drafter step / target step, "v": {k: V(k + 1) / V(1)}} on this machine."""
+    """{"step_s": the target's step, "c": drafter step / target step, "v": {k: V(k + 1) / V(1)}, "feed": the
+    drafter's catching up per position / target step} on this machine."""
     target, t_ids = _context(pair.target_runner, pair.target_tokenizer)
     drafter, d_ids = _context(pair.drafter_runner, pair.drafter_tokenizer)
-    steps, draft_steps = [], []
+    steps, draft_steps, feeds = [], [], []
     verify: dict[int, list[float]] = {n: [] for n in FED}
     timed_forward(target, t_ids, 1), timed_forward(drafter, d_ids, 1)  # warm both: a first forward pays page faults
     for _ in range(REPEATS):
@@ -75,12 +79,18 @@ def measure(pair) -> dict:
             verify[n].append(timed_forward(target, t_ids, n))
             if i == 0:
                 draft_steps.append(timed_forward(drafter, d_ids, 1))
+                feeds.append(timed_forward(drafter, d_ids, min(FEED, len(d_ids) - 1)))
     for runner in (pair.target_runner, pair.drafter_runner):
         forget = getattr(runner, "forget", None)  # the llama.cpp runner: leave no timing context for a prompt to meet
         if forget is not None:
             forget()
-    step = min(steps)
-    return {"step_s": step, "c": min(draft_steps) / step, "v": {str(n - 1): min(t) / step for n, t in verify.items()}}
+    step, fed = min(steps), min(FEED, len(d_ids) - 1)
+    return {
+        "step_s": step,
+        "c": min(draft_steps) / step,
+        "v": {str(n - 1): min(t) / step for n, t in verify.items()},
+        "feed": min(feeds) / fed / step,
+    }
 
 
 def machine(model) -> str:
@@ -132,7 +142,8 @@ def costs_for(pair, cache_dir: Path | None, log=print) -> dict | None:
 
 def _valid(costs) -> bool:
     try:
-        return costs["step_s"] > 0 and costs["c"] >= 0 and all(float(v) > 0 for v in costs["v"].values())
+        positive = costs["step_s"] > 0 and costs["feed"] > 0
+        return positive and costs["c"] >= 0 and all(float(v) > 0 for v in costs["v"].values())
     except (KeyError, TypeError, ValueError, AttributeError):
         return False
 
@@ -145,3 +156,32 @@ def describe(costs: dict) -> str:
         f"target step {costs['step_s'] * 1e3:.1f} ms, c {costs['c']:.2f}, {vs}; at most {bound:.2f}x with every "
         f"draft accepted (k = {k}): {verdict}"
     )
+
+
+LEARNED = "|learned"
+"""The suffix of a pair's key under which the cost cache keeps what auto's cost model learned while decoding."""
+
+
+def restore_learned(pair, cache_dir: Path | None) -> None:
+    """Give the pair what auto learned of it on this machine in earlier processes (its cost model, its probing waits:
+    `remember` keeps them), so that a restart does not probe again what is known to lose here."""
+    cache = cache_dir / CACHE_FILE if cache_dir is not None else None
+    key = machine_key(pair) + LEARNED
+    pair.memory["learned_at"] = (cache, key)
+    learned = read_choices(cache).get(key)
+    if valid_memory(learned):
+        pair.memory["schedule"] = learned
+
+
+def remember(pair) -> None:
+    """Keep what auto learned of the pair so far (after a generation) for the next process on this machine."""
+    cache, key = pair.memory.get("learned_at", (None, None))
+    if cache is None or "schedule" not in pair.memory:
+        return
+    try:
+        learned = json.loads(json.dumps(pair.memory["schedule"]))
+    except (RuntimeError, TypeError, ValueError):  # another generation of the pair changed it meanwhile: next time
+        return
+    known = read_choices(cache)
+    known[key] = learned
+    write_choices(cache, known)

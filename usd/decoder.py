@@ -24,7 +24,7 @@ from .ngram import NgramIndex
 from .pair import Pair, bytes_of, model_context_length
 from .record import RoundRecord
 from .sampling import DRAFTER_STREAM, SamplingParams, make_generator, position_generator, probabilities
-from .schedule import Schedule
+from .schedule import CATCH_UP_MIN, Schedule
 from .settings import check_algorithm, check_draft_tokens, check_max_new_tokens
 from .tally import Tally
 from .utf8 import piece_decoder
@@ -236,9 +236,20 @@ class DrafterState:
         self.ready = False
         self.stopped: str | None = None
         self.unbilled_s = 0.0
-        """Seconds of drafter prefill no round has been charged for yet (the schedule's probing budget counts them)."""
+        """Seconds of catching up (the prefill included) no round has been charged for yet: kept out of the rounds'
+        times, which would bias auto's rates, but counted in what trying the drafter cost."""
+        self.unbilled_tokens = 0
+        """The positions fed in those seconds, where the context knew what its cache held (after its first forward
+        a context knows; before, a cache an earlier answer left may hold part of the prompt)."""
         self.matched = (0, 0)
         """(tokens, bytes) of its generated ids known to spell a prefix of the committed text (`sync_drafter`)."""
+
+    def pending(self, answer: Answer) -> int:
+        """Positions it would feed before its next draft step: what was committed while it did not draft (before its
+        first draft, the prompt and the answer so far, in target tokens as the drafter's count is not known yet)."""
+        if not self.ready:
+            return self.prompt_len + len(answer.ids)
+        return len(self.ctx.ids) - self.ctx.cached
 
     def room(self, answer: Answer) -> int:
         """How many tokens it may draft now (0 once it is full, for the rest of the answer)."""
@@ -253,13 +264,28 @@ class DrafterState:
                 "decoded by the target alone"
             )
             return 0
-        if not self.ready:
-            # a one-time cost: kept out of the round's time (it would bias auto's rates); the probe budget counts it
-            t0 = time.perf_counter()
-            _prefill(self.ctx)
-            self.unbilled_s += time.perf_counter() - t0
-            self.ready = True
+        self._catch_up()
+        self.ready = True
         return room
+
+    def _catch_up(self) -> None:
+        """Feed all it lacks but the last position, which its first draft step feeds as any step does."""
+        lacking = len(self.ctx.ids) - self.ctx.cached
+        if lacking <= CATCH_UP_MIN:
+            return
+        t0 = time.perf_counter()
+        last = self.ctx.ids.pop()
+        self.ctx.forward(keep=1)
+        self.ctx.ids.append(last)
+        self.unbilled_s += time.perf_counter() - t0
+        if self.ready:
+            self.unbilled_tokens += lacking - 1
+
+    def bill(self) -> tuple[float, int]:
+        """The unbilled seconds and positions, now charged to a round."""
+        billed = (self.unbilled_s, self.unbilled_tokens)
+        self.unbilled_s, self.unbilled_tokens = 0.0, 0
+        return billed
 
     def follow(self, answer: Answer) -> None:
         self.matched = sync_drafter(self.pair, self.ctx, self.prompt_len, answer.ids, answer.committed, self.matched)
@@ -286,7 +312,9 @@ class Generation:
         # "same seed, same text" holds for regenerate, for --samples, and between the compare view's two columns.
         seeded = not params.greedy and params.seed is not None
         looks_up = algorithm.chooses or algorithm.spec.proposes is Proposal.LOOKUP
-        self.schedule = Schedule(pair, algorithm, k, probe_first, seeded_sampling=seeded, lookup=looks_up)
+        self.schedule = Schedule(
+            pair, algorithm, k, probe_first, seeded_sampling=seeded, lookup=looks_up, answer_tokens=max_new_tokens
+        )
         base_seed = params.seed if params.seed is not None else secrets.randbits(63)
         rng = Randomness(make_generator(params.seed, DRAFTER_STREAM), base_seed)
         self.tally = Tally(algorithm, self.schedule.model.step_at_load)
@@ -314,9 +342,12 @@ class Generation:
         stopped = drafter.stopped if drafter is not None else None
         return self.tally.stats(len(self.answer.ids), self.answer.stop_reason, forward_s, stopped)
 
-    def plan(self) -> tuple[Algorithm, int, int]:
-        """(mode, k, the target's room) for the next round: the schedule's choice, fitted to both contexts."""
-        mode, k = self.schedule.next(found=self.lookup is not None and self.lookup.lookup(1) is not None)
+    def plan(self) -> tuple[Algorithm, int, int, bool]:
+        """(mode, k, the target's room, whether a lookup finds a continuation) for the next round: the schedule's
+        choice, fitted to both contexts."""
+        found = self.lookup is not None and self.lookup.lookup(1) is not None
+        pending = self.drafter.pending(self.answer) if self.drafter is not None else 0
+        mode, k = self.schedule.next(found, pending=pending, context=len(self.target.ids))
         target_room = _room(self.pair.context_length, len(self.target.ids))  # the verify positions must fit too
         if mode.needs_drafter:
             assert self.drafter is not None  # the schedule drafts with the model only when the algorithm does
@@ -324,11 +355,11 @@ class Generation:
         k = min(k, target_room)
         if k < 1:
             mode, k = PLAIN, 0
-        return mode, k, target_room
+        return mode, k, target_room, found
 
     def step(self) -> Round:
         """Run one round, commit what it emitted, and learn from it."""
-        mode, k, target_room = self.plan()
+        mode, k, target_room, found = self.plan()
         expected = self.schedule.expected_speedup if not mode.plain else None
         t0 = time.perf_counter()
         drafter_ctx = self.drafter.ctx if self.drafter is not None else None
@@ -352,12 +383,12 @@ class Generation:
             expected_speedup=expected,
             declined=self.schedule.declined if mode.plain else None,
             bound=self.schedule.bound if mode.plain else None,
+            sources=self.schedule.sources(mode, found) if self.schedule.algorithm.chooses else (),
         )
 
     def _record(self, mode, k, draft: Draft, verdict: Verdict, times: RoundTimes, round_s: float) -> RoundRecord:
-        setup_s = 0.0
-        if self.drafter is not None:
-            setup_s, self.drafter.unbilled_s = self.drafter.unbilled_s, 0.0
+        context = len(self.target.ids) - 1 - verdict.accepted  # before the round: it committed its emitted tokens
+        setup_s, setup_tokens = self.drafter.bill() if self.drafter is not None else (0.0, 0)
         return RoundRecord(
             algorithm=mode,
             k=k,
@@ -371,6 +402,8 @@ class Generation:
             # prompt's last position came with the prompt)
             fed=len(draft.candidates) + (self.tally.rounds > 0),
             setup_s=setup_s,
+            setup_tokens=setup_tokens,
+            context=context,
         )
 
 

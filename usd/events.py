@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from enum import StrEnum
 from typing import TYPE_CHECKING
 
 from .algorithms import PLAIN
@@ -59,6 +60,38 @@ class Bound:
     """The drafter's step over the target's."""
     v: float
     """The target's forward over k + 1 positions over its step, v(k)."""
+    measured: str = "at load"
+    """Where c and v come from: "at load" (usd/costs.py), or "while decoding" (earlier answers' rounds)."""
+
+
+class SourceState(StrEnum):
+    """Where one of auto's sources stands after a round: running, or why it is off."""
+
+    IN_USE = "in use"
+    CANNOT_PAY = "cannot pay"
+    """Even with every drafted token accepted it would be slower than plain decoding here (`Bound`)."""
+    DROPPED = "dropped"
+    """Its rounds in this answer were slower than plain decoding: not run again in it."""
+    NO_MATCH = "no match"
+    """A lookup that finds no continuation of the text now."""
+    BUDGET = "budget spent"
+    """Trying it might lose more than the answer's probing budget has left (schedule.PROBE_SHARE)."""
+    UNTRIED = "untried"
+    LOSES = "loses"
+    """Expected slower than plain decoding; tried now and then in case that changes."""
+    SLOWER = "slower"
+    """Expected to gain, but less than the source in use."""
+
+
+@dataclass(frozen=True)
+class Source:
+    """One of auto's sources (an algorithm) as it stands after a round, for the panel."""
+
+    name: str
+    state: SourceState
+    speedup: float | None = None
+    """Its speed over plain decoding: what its rounds achieved in this answer where it ran, else what the cost model
+    expects (for CANNOT_PAY, the bound)."""
 
 
 @dataclass(frozen=True)
@@ -85,6 +118,8 @@ class Round:
     """A plain round of auto's: the best speculating (algorithm, k) it weighed instead, and its expected speedup."""
     bound: Bound | None = None
     """A plain round of auto's on a machine where no draft length can pay: the most speculation could gain there."""
+    sources: tuple[Source, ...] = ()
+    """auto's rounds: each source it weighs, and why it runs or is off."""
 
     @property
     def emitted(self) -> tuple[Piece, ...]:

@@ -26,8 +26,12 @@ class RoundRecord:
     """Positions the target's forward fed: drafted + 1 (None), but in round 0 only the drafts (the prompt's last
     position came with the prompt). Only a forward over drafted + 1 positions is a step or a verify of its k."""
     setup_s: float = 0.0
-    """What the round's algorithm cost before it and outside it (a drafter's prefill): not a cost of its rounds, but
-    part of what trying it cost."""
+    """What the round's algorithm cost before it and outside it (a drafter's prefill, or its catching up on what was
+    committed while it did not draft): not a cost of its rounds, but part of what trying it cost."""
+    setup_tokens: int = 0
+    """The drafter positions that setup fed."""
+    context: int = 0
+    """The target's cache length when the round began: forwards cost more over a longer cache."""
 
     def __post_init__(self):
         object.__setattr__(self, "algorithm", Algorithm(self.algorithm))  # a name given: its member (or a bug)

@@ -29,10 +29,12 @@ lossless: every round emits tokens distributed as the target's, whatever it was 
 
 from __future__ import annotations
 
-from .algorithms import PLAIN, Algorithm, Proposal, auto_modes
-from .events import Bound
+import math
+
+from .algorithms import NAMES, PLAIN, Algorithm, Proposal, auto_modes
+from .events import Bound, Source, SourceState
 from .record import RoundRecord
-from .tally import reference_step
+from .tally import MIN_PLAIN_STEPS, reference_step
 from .theory import best_k, tau
 
 K_START = 4
@@ -51,6 +53,18 @@ PROBE_BUDGET = 0.01
 drafter catching up on a long context, say) waits until it is this share of the time since, PROBE_MAX or not."""
 PROBE_BUDGET_MAX = 1024
 """The longest such wait, in rounds: a probe inflated by a one-off cost (a first call's warm-up) is not trusted more."""
+PROBE_SHARE = 0.02
+"""The most of an answer's expected time (its max new tokens at plain decoding's speed, or the tokens so far where
+more) that auto lets speculation lose in it: a round that might lose (a source not yet judged, or judged to lose)
+runs only while its worst case, added to what speculative rounds lost in this answer so far, stays within it."""
+DEFAULT_ANSWER_TOKENS = 128
+"""The answer length the probing budget assumes when it is not told (the decode loop tells it max new tokens)."""
+CATCH_UP_MIN = 4
+"""Positions the drafter may lack before a draft and still feed with its first draft step; more (its prompt at its
+first draft, what was committed while auto decoded plainly) it feeds in a forward of their own first, timed as
+catching up (decoder.DrafterState): a draft step then costs one position, and catching up is priced by its length."""
+LENGTH_BUCKET = 512
+"""Cache lengths whose costs are kept apart: under 512 positions, then each doubling (`length_bucket`)."""
 DECAY = 0.85
 """Weight of the past in the running means of the drafter's step and a round's other work: about the last seven
 observations count."""
@@ -132,46 +146,111 @@ class Mean:
         return cell[0] / cell[1] if cell and cell[1] > 0 else None
 
 
+MEMORY_FORMAT = 2
+"""The layout of the memory the schedule keeps (`valid_memory`): the cost cache keeps it across processes."""
+
+
+def _numbers(xs) -> bool:
+    return isinstance(xs, list) and all(isinstance(x, int | float) and math.isfinite(x) for x in xs)
+
+
+def valid_memory(memory) -> bool:
+    """Whether `memory`, read back from the cost cache, has the layout this schedule keeps: another layout (an older
+    version's) or a damaged file is not used, and the pair starts from what was measured at load."""
+    try:
+        modes = memory["modes"]
+        cells = [memory["feed"], *(m[c] for m in modes.values() for c in ("draft", "c", "other", "hits"))]
+        verifies = [cell for by_n in memory["verify"].values() for window in by_n.values() for cell in window]
+        keys = [*memory["steps"], *memory["verify"], *(n for by_n in memory["verify"].values() for n in by_n)]
+        named = [*modes, *memory["gap"], *memory["since"], *memory["setup_s"]]
+        return (
+            memory["format"] == MEMORY_FORMAT
+            and isinstance(memory["observed"], int)
+            and all(isinstance(key, str) and key.isdigit() for key in keys)
+            and all(name in NAMES for name in named)
+            and all(_numbers(xs) for xs in memory["steps"].values())
+            and all(_numbers(cell) and len(cell) == 2 for cell in cells)
+            and all(isinstance(m["rounds"], int) for m in modes.values())
+            and all(_numbers([t]) and (r is None or _numbers([r])) for t, r in verifies)
+            and all(_numbers(list(memory[key].values())) for key in ("gap", "since", "setup_s"))
+        )
+    except (KeyError, TypeError, ValueError, AttributeError):
+        return False
+
+
+def length_bucket(context: int) -> str:
+    """The cache lengths whose costs are kept together: under LENGTH_BUCKET positions, then each doubling of it (a
+    forward's attention grows with the cache, and flash attention changes kernels past 512 cells)."""
+    return str((context // LENGTH_BUCKET).bit_length())
+
+
+def _nearest(buckets, bucket: str) -> str:
+    return min(buckets, key=lambda b: (abs(int(b) - int(bucket)), int(b)))
+
+
 class CostModel:
-    """What this machine measured for this pair: V(n), and per mode the drafter step, overhead and acceptance.
+    """What this machine measured for this pair: V(n) per cache length, the drafter's catching up, and per mode the
+    drafter step, overhead and acceptance; the costs measured at load (`prior`) stand in for what the loop has not
+    measured yet.
 
     A forward's time is compared only with plain steps measured near it: each verify is kept with its ratio to the
-    plain step of that moment (the median of the last WINDOW), and V(n) is that ratio times the plain step now; the
-    drafter's step likewise. So other work that slows the machine for a while slows the estimates of plain and
-    speculative rounds alike, instead of making whichever was measured in the quiet look cheap."""
+    plain step of that moment (the median of the last WINDOW at that cache length), and V(n) is that ratio times the
+    plain step now; the drafter's step likewise. So other work that slows the machine for a while slows the estimates
+    of plain and speculative rounds alike, instead of making whichever was measured in the quiet look cheap."""
 
-    def __init__(self, memory: dict, step_at_load: float | None = None):
+    def __init__(self, memory: dict, prior: dict | None = None):
         self.memory = memory
-        self.step_at_load = step_at_load
-        """The target's step timed at load (usd/costs.py): the reference until MIN_PLAIN_STEPS steps are measured."""
-        self.steps = memory.setdefault("steps", [])  # seconds of the last WINDOW forwards over one position
-        self.verify = memory.setdefault("verify", {})  # str(n) -> the last WINDOW [seconds, seconds / step then]
+        self.prior = prior or {}
+        """The costs timed at load (usd/costs.py: step_s, c, v(k), feed), a prior only: each is used until the loop
+        has measured its own."""
+        self.step_at_load: float | None = self.prior.get("step_s")
+        """The reference step until MIN_PLAIN_STEPS steps are measured."""
+        self.steps = memory.setdefault("steps", {})  # length bucket -> seconds of its last WINDOW one-position forwards
+        self.verify = memory.setdefault("verify", {})  # bucket -> str(n) -> the last WINDOW [seconds, seconds / step]
         self.modes = memory.setdefault("modes", {})  # mode -> {"draft", "c", "other", "hits", "rounds"}
+        self.feed = memory.setdefault("feed", [0.0, 0.0])  # the drafter catching up: per position, over the step
         memory.setdefault("observed", 0)  # rounds observed into this memory, by any generation of the pair
-        self._as_of: int | None = None
-        """The `observed` count the two caches below hold for: a round's choice asks for V and each mode's best k
-        dozens of times, and the medians behind them change only when a round is observed."""
+        memory.setdefault("format", MEMORY_FORMAT)
+        self.bucket = length_bucket(0)
+        """The cache length what the model is asked about is priced at (`at`)."""
+        self._as_of: tuple[int, str] | None = None
+        """The `observed` count and bucket the two caches below hold for: a round's choice asks for V and each mode's
+        best k dozens of times, and the medians behind them change only when a round is observed."""
         self._known: tuple[float | None, dict[int, float]] | None = None
         self._best_k: dict[tuple[str, int], tuple[int, float | None]] = {}
+
+    def at(self, context: int) -> None:
+        """Price what is asked next at a target cache of `context` positions."""
+        self.bucket = length_bucket(context)
 
     def _mode(self, mode: str) -> dict:
         cells = ("draft", "c", "other", "hits")
         return self.modes.setdefault(mode, {**{c: [0.0, 0.0] for c in cells}, "rounds": 0})
 
     def step(self) -> float | None:
-        """The target's single step: the median of the recent ones (the one timed at load while there are few: a
-        first step slowed by other work made every verify after it look cheap)."""
-        return reference_step(self.steps, median, self.step_at_load)
+        """The target's single step at this cache length: the median of the recent ones there, or at the nearest
+        length with enough (the one timed at load while there are few: a first step slowed by other work made every
+        verify after it look cheap)."""
+        return self._step(self.bucket)
+
+    def _step(self, bucket: str) -> float | None:
+        enough = [b for b, xs in self.steps.items() if len(xs) >= MIN_PLAIN_STEPS]
+        steps = self.steps.get(bucket, []) if bucket in enough or not enough else self.steps[_nearest(enough, bucket)]
+        return reference_step(steps, median, self.step_at_load)
 
     def observe(self, r: RoundRecord) -> None:
         """A forward that fed no position (round 0's plain one) tells nothing of V."""
-        step = self.step()  # the plain steps measured before this round: its reference
+        bucket = length_bucket(r.context)
+        step = self._step(bucket)  # the plain steps measured before this round: its reference
         self.memory["observed"] += 1
         fed = r.positions_fed
         if fed == 1:
-            _keep_last(self.steps, r.verify_s)
+            _keep_last(self.steps.setdefault(bucket, []), r.verify_s)
         elif fed:
-            _keep_last(self.verify.setdefault(str(fed), []), [r.verify_s, r.verify_s / step if step else None])
+            cells = self.verify.setdefault(bucket, {}).setdefault(str(fed), [])
+            _keep_last(cells, [r.verify_s, r.verify_s / step if step else None])
+        if r.setup_tokens and step:
+            Mean.add(self.feed, r.setup_s / r.setup_tokens / step)
         m = self._mode(r.algorithm)
         m["rounds"] += 1
         # a draft with no model steps (a lookup) is priced as the round's other work: it costs what it took
@@ -198,41 +277,81 @@ class CostModel:
             return step * interpolate(known, n)
         return interpolate(known, n) if known else None
 
+    def verify_costs(self) -> dict[int, float] | None:
+        """v(k), V(k + 1) over the step, for k = 1..K_MAX as the model reads them now (None without a step)."""
+        step, known = self._lengths()
+        return {k: interpolate(known, k + 1) for k in range(1, K_MAX + 1)} if step is not None else None
+
+    def drafter_c(self) -> float | None:
+        """The drafter's step over the target's as the loop measured it (the cheapest of its modes), if it has."""
+        measured = [c for m, cells in self.modes.items() if Algorithm(m).needs_drafter and (c := Mean.of(cells["c"]))]
+        return min(measured) if measured else None
+
     def _fresh(self) -> None:
-        """Drop the caches once another round has been observed into the memory."""
-        if self._as_of != self.memory["observed"]:
-            self._as_of, self._known, self._best_k = self.memory["observed"], None, {}
+        """Drop the caches once another round has been observed into the memory, or another length is asked about."""
+        key = (self.memory["observed"], self.bucket)
+        if self._as_of != key:
+            self._as_of, self._known, self._best_k = key, None, {}
 
     def _lengths(self) -> tuple[float | None, dict[int, float]]:
-        """The plain step and V's measured lengths: ratios to the step (with 1: 1.0), or seconds without a step."""
+        """The plain step and V's known lengths: ratios to the step (with 1: 1.0), the loop's where it measured them
+        and the load's, scaled by what the loop found of them, elsewhere; or seconds without a step."""
         self._fresh()
         if self._known is None:
             step = self.step()
             if step is not None:
-                cells_of = self.verify.items()
-                ratios = {int(key): median([r for _, r in cells if r is not None]) for key, cells in cells_of}
-                known = {n_pos: r for n_pos, r in ratios.items() if r is not None} | {1: 1.0}
+                measured = self._ratios()
+                known = {**self._prior_ratios(measured), **measured, 1: 1.0}
             else:
-                absolute = {int(key): median([t for t, _ in cells]) for key, cells in self.verify.items() if cells}
+                absolute = {int(n): median([t for t, _ in cells]) for n, cells in self._cells().items() if cells}
                 known = {n_pos: t for n_pos, t in absolute.items() if t is not None}
             self._known = (step, known)
         return self._known
 
-    def draft_step(self, mode: str) -> float:
-        """The drafter's step in seconds: its ratio to the plain steps near it, times the plain step now."""
-        m, step = self.modes[mode], self.step()
-        c = Mean.of(m["c"])
-        return c * step if c is not None and step else (Mean.of(m["draft"]) or 0.0)
+    def _cells(self) -> dict[str, list]:
+        """The verifies measured at this cache length, or at the nearest length where any were."""
+        measured = [b for b, by_n in self.verify.items() if any(by_n.values())]
+        if not measured:
+            return {}
+        return self.verify[self.bucket if self.bucket in measured else _nearest(measured, self.bucket)]
 
-    def round_cost(self, mode: str, k: int) -> float | None:
+    def _ratios(self) -> dict[int, float]:
+        ratios = {int(n): median([r for _, r in cells if r is not None]) for n, cells in self._cells().items()}
+        return {n: r for n, r in ratios.items() if r is not None}
+
+    def _prior_ratios(self, measured: dict[int, float]) -> dict[int, float]:
+        """The load's V(n) over the step, scaled by how the loop's measurements of the same lengths compare."""
+        prior = {1 + int(k): float(vk) for k, vk in (self.prior.get("v") or {}).items()}
+        shared = [measured[n] / prior[n] for n in measured if n in prior]
+        scale = sum(shared) / len(shared) if shared else 1.0
+        return {n: vn * scale for n, vn in prior.items()}
+
+    def draft_step(self, mode: str) -> float:
+        """The drafter's step in seconds: its ratio to the plain steps near it (the load's c until the loop measured
+        one), times the plain step now."""
+        m, step = self.modes.get(mode, {}), self.step()
+        c = Mean.of(m.get("c"))
+        if c is None and Algorithm(mode).needs_drafter:
+            c = self.prior.get("c")
+        return c * step if c is not None and step else (Mean.of(m.get("draft")) or 0.0)
+
+    def catch_up(self, pending: int) -> float:
+        """Seconds the drafter takes to feed the `pending` positions it lacks before it drafts (none up to
+        CATCH_UP_MIN, which its first step feeds): per position as the loop measured it, else as timed at load."""
+        rate, step = Mean.of(self.feed) or self.prior.get("feed"), self.step()
+        return (pending - 1) * rate * step if pending > CATCH_UP_MIN and rate and step else 0.0
+
+    def round_cost(self, mode: str, k: int, pending: int = 0) -> float | None:
+        """A round's expected seconds; with `pending`, the drafter's catching up on that many positions first."""
         verify = self.V(k + 1)
-        m = self.modes.get(mode)
-        if verify is None or m is None:
+        if verify is None:
             return None
-        return k * self.draft_step(mode) + verify + (Mean.of(m["other"]) or 0.0)
+        other = Mean.of(self.modes.get(mode, {}).get("other")) or 0.0
+        catch_up = self.catch_up(pending) if Algorithm(mode).needs_drafter else 0.0
+        return k * self.draft_step(mode) + verify + other + catch_up
 
     def rate(self, mode: str, k: int) -> float | None:
-        """Expected emitted tokens per second of (mode, k); plain decoding's k is 0."""
+        """Expected emitted tokens per second of (mode, k) once the drafter is in step; plain decoding's k is 0."""
         if Algorithm(mode).plain:
             cost = self.round_cost(mode, 0)
             return 1.0 / cost if cost else None
@@ -267,12 +386,16 @@ class Schedule:
         probe_first: bool = True,
         seeded_sampling: bool = False,
         lookup: bool = False,
+        answer_tokens: int = DEFAULT_ANSWER_TOKENS,
     ):
-        """`lookup`: auto may draft by n-gram lookup (the generation keeps the index)."""
+        """`lookup`: auto may draft by n-gram lookup (the generation keeps the index). `answer_tokens`: the most the
+        answer may take (max new tokens), which sizes auto's probing budget."""
         self.algorithm = algorithm = Algorithm(algorithm)
         self.modes = [algorithm]
         if algorithm.chooses:
             self.modes = auto_modes(pair.same_tokenizer, seeded_sampling, pair.drafter is not None, lookup)
+        self.weighed = list(self.modes)
+        """The modes auto weighs, those the bound leaves out included (the panel says why each is off)."""
         self.adaptive_k = k == "auto"
         self.k_fixed = None if self.adaptive_k else int(k)
         if self.adaptive_k and seeded_sampling and not algorithm.spec.seed_stable and not algorithm.chooses:
@@ -286,7 +409,7 @@ class Schedule:
         """A plain round has fed a position: its time is the step behind c and v (round 0 feeds none, see decoder)."""
         self.round = 0
         memory = pair.memory.setdefault("schedule", {})
-        self.model = CostModel(memory, (pair.memory.get("costs") or {}).get("step_s"))
+        self.model = CostModel(memory, pair.memory.get("costs"))
         self.gap = memory.setdefault("gap", {})  # mode -> rounds to wait before probing it again
         # rounds since each mode last ran, counted across generations: a probe costs a drafter prefill and catch-up,
         # so restarting the count per generation would probe in every answer
@@ -294,53 +417,79 @@ class Schedule:
         for m in self.modes:
             self.since.setdefault(m, 0)
         self.setup_s = memory.setdefault("setup_s", {})  # mode -> setup seconds its next wait has yet to pay off
+        self.answer_tokens = answer_tokens
+        self.emitted = 0
+        self.lost_s = 0.0
+        """What auto's speculative rounds lost in this answer against plain decoding measured near them, their catching
+        up included; never below 0, so that a gain does not pay for later probes."""
+        self.pending = 0
+        """Positions the drafter lacks before the coming round (`next`): what it would catch up on to draft."""
+        self.recent: dict[str, list[float]] = {}
+        """Per speculating mode, a running mean of what its latest rounds in this answer took beyond plain decoding
+        (negative: they gained)."""
         self.realised: dict[str, list[float]] = {}
         """This answer's rounds of each speculating mode: [their seconds, what plain decoding, measured near each,
         would have taken for their tokens, how many]."""
         self.dropped: set[str] = set()
-        """Modes that realised less than plain decoding in this answer: never the best again in it, only probed."""
+        """Modes that realised less than plain decoding in this answer: not run again in it."""
+        self.left_out: dict[Algorithm, float] = {}
+        """Modes the bound leaves out, with the most they could gain here (below 1)."""
         self.start_k = self._start_lengths(pair)
         """The draft length each mode is tried at before the model judges it."""
         self.bound = self._bound(pair) if algorithm.chooses else None
         """auto only: when no draft length of the drafter model can pay on this machine (`speedup_bound` below 1, from
-        the c and v(k) measured at load, usd/costs.py), the best of those bounds; auto then never drafts with the
-        model (it decodes plainly from the first round where no lookup is weighed either)."""
+        the c and v(k) the loop measured, or those measured at load before it has, usd/costs.py), the best of those
+        bounds; auto then never drafts with the model (it decodes plainly from the first round where no lookup is
+        weighed either)."""
         self.expected_speedup: float | None = None
         """What the model expects of the round just chosen, against plain decoding (None until it can tell)."""
         self.declined: tuple[str, int, float] | None = None
         """When auto chose a plain step although it could speculate: the best speculating (mode, k) it weighed and
         the speedup it expected of it (below 1 where speculation does not pay on this machine)."""
 
+    def _costs_now(self, costs: dict) -> tuple[float, dict[int, float], str]:
+        """c and v(k) as the loop measured them in earlier answers of the pair (in this process or, kept in the cost
+        cache, an earlier one), the load's where it has not; and which of the two c is."""
+        c, v = self.model.drafter_c(), self.model.verify_costs() or measured_v(costs)
+        return (costs["c"], v, "at load") if c is None else (c, v, "while decoding")
+
     def _bound(self, pair) -> Bound | None:
-        """What speculation can gain here at most (`speedup_bound`), from the c and v(k) measured at load; modes that
-        cannot pay are left out (tli when its alpha ceiling rules it out; the lookup, whose draft costs next to
-        nothing, only where even a free draft cannot pay). The drafter model's bound when it cannot pay, else None
-        (also where nothing was measured: then every mode is probed)."""
+        """What speculation can gain here at most (`speedup_bound`); modes that cannot pay are left out (tli when its
+        alpha ceiling rules it out; the lookup, whose draft costs next to nothing, only where even a free draft cannot
+        pay). The drafter model's bound when it cannot pay, else None (also where nothing was measured: then every
+        mode is probed)."""
         costs = pair.memory.get("costs")
         if not costs:
             return None
-        c, v = costs["c"], measured_v(costs)
-        if speedup_bound(0.0, v)[1] < 1:
-            self.modes = [m for m in self.modes if m.spec.proposes is not Proposal.LOOKUP]
+        c, v, measured = self._costs_now(costs)
+        free = speedup_bound(0.0, v)[1]
+        if free < 1:
+            self._leave_out([m for m in self.modes if m.spec.proposes is Proposal.LOOKUP], free)
         k, speedup = speedup_bound(c, v)
         if speedup < 1:
-            self.modes = [m for m in self.modes if not m.needs_drafter]
-            return Bound(k, speedup, c, interpolate({1 + kk: vk for kk, vk in v.items()} | {1: 1.0}, k + 1))
+            self._leave_out([m for m in self.modes if m.needs_drafter], speedup)
+            return Bound(k, speedup, c, interpolate({1 + kk: vk for kk, vk in v.items()} | {1: 1.0}, k + 1), measured)
         ceiling = costs.get("tli_ceiling")
-        if Algorithm.TLI in self.modes and ceiling is not None and speedup_bound(c, v, ceiling)[1] < 1:
-            self.modes.remove(Algorithm.TLI)
+        capped = speedup_bound(c, v, ceiling)[1] if ceiling is not None else 1.0
+        if Algorithm.TLI in self.modes and capped < 1:
+            self._leave_out([Algorithm.TLI], capped)
         return None
 
+    def _leave_out(self, modes: list[Algorithm], bound: float) -> None:
+        for m in modes:
+            self.modes.remove(m)
+            self.left_out[m] = bound
+
     def _start_lengths(self, pair) -> dict[Algorithm, int]:
-        """Where the costs were measured at load, each mode's first draft length is the one its bound is best at (for
-        the lookup, with c = 0): on a machine where verifying many tokens costs many steps, the trials that judge a
-        mode are not spent at a length it could never pay at. Otherwise K_START."""
+        """Where the costs were measured (at load, or by the loop since), each mode's first draft length is the one
+        its bound is best at (for the lookup, with c = 0): on a machine where verifying many tokens costs many steps,
+        the trials that judge a mode are not spent at a length it could never pay at. Otherwise K_START."""
         costs = pair.memory.get("costs")
         if not costs:
             return {}
-        v = measured_v(costs)
-        c_of = {m: 0.0 if m.spec.proposes is Proposal.LOOKUP else costs["c"] for m in self.modes if not m.plain}
-        return {m: speedup_bound(c, v)[0] for m, c in c_of.items()}
+        c, v, _ = self._costs_now(costs)
+        c_of = {m: 0.0 if m.spec.proposes is Proposal.LOOKUP else c for m in self.modes if not m.plain}
+        return {m: speedup_bound(c_m, v)[0] for m, c_m in c_of.items()}
 
     def k_for(self, mode: Algorithm) -> int:
         if mode.plain:
@@ -356,19 +505,54 @@ class Schedule:
         rate = self.model.rate(mode, self.k_for(mode))
         return 1.0 / rate if rate else float("inf")
 
-    def next(self, found: bool = True) -> tuple[Algorithm, int]:
+    def next(self, found: bool = True, pending: int = 0, context: int = 0) -> tuple[Algorithm, int]:
         """(algorithm, k) for the coming round; (PLAIN, 0) is a plain target step. `found`: whether a lookup finds a
         continuation of the committed ids now; where it finds none the lookup is not a candidate this round (a fixed
-        ngram decodes plainly). Deciding from the committed ids alone keeps the round lossless."""
+        ngram decodes plainly). `pending`: the positions the drafter lacks (what it would catch up on first);
+        `context`: the target's cache length. Deciding from the committed ids alone keeps the round lossless."""
+        self.model.at(context)
+        self.pending = pending
         modes = [m for m in self.modes if found or m.spec.proposes is not Proposal.LOOKUP]
         if (self.probe_first and not self.probed) or not modes:
             mode = PLAIN
         else:
             mode = modes[0] if len(modes) == 1 else self._choose(modes)
-        k = self.k_for(mode)
+        k = self._fit(mode) if self.algorithm.chooses else self.k_for(mode)
+        if k == 0:
+            mode = PLAIN
         self.expected_speedup = 1.0 if mode.plain else self.model.expected_speedup(mode, k)
         self.declined = self._best_speculation(modes) if mode.plain and len(modes) > 1 else None
         return mode, k
+
+    def budget_s(self) -> float:
+        """What speculation may lose in this answer: PROBE_SHARE of its expected time at plain decoding's speed."""
+        return PROBE_SHARE * max(self.answer_tokens, self.emitted) * self.per_token(PLAIN)
+
+    def _excess(self, mode: Algorithm, k: int) -> float | None:
+        """What a round of (mode, k) would take beyond plain decoding of the tokens it emits, the drafter's catching
+        up included: as expected where the mode is judged, in its worst case (no draft kept) where it is not yet."""
+        plain, cost = self.per_token(PLAIN), self.model.round_cost(mode, k, self.pending)
+        if plain == float("inf") or cost is None:
+            return None
+        alpha = self.model.alpha(mode)
+        judged = alpha is not None and self.model.rounds(mode) >= MIN_TRIES
+        return cost - (tau(alpha, k) if alpha is not None and judged else 1.0) * plain
+
+    def _fit(self, mode: Algorithm) -> int:
+        """auto's draft length for `mode` this round: its k, or the longest shorter one whose round the probing
+        budget allows (0: none). A round expected to gain may run, and one that may lose only while its excess, with
+        what speculation lost in this answer so far, stays within the budget; once that is spent, only a mode whose
+        latest rounds in this answer gained."""
+        if mode.plain or mode in self.dropped:
+            return 0
+        room = self.budget_s() - self.lost_s
+        if room <= 0:  # spent: only a mode whose latest rounds gained goes on (the model may lag a change)
+            return self.k_for(mode) if (Mean.of(self.recent.get(mode)) or 0.0) < 0 else 0
+        for k in range(self.k_for(mode), 0, -1):
+            excess = self._excess(mode, k)
+            if excess is None or excess <= room:
+                return k
+        return 0
 
     def _best_speculation(self, modes: list[Algorithm]) -> tuple[str, int, float] | None:
         options = [(m, self.k_for(m)) for m in modes if not m.plain]
@@ -377,6 +561,7 @@ class Schedule:
         return max(known, key=lambda option: option[2]) if known else None
 
     def _choose(self, modes: list[Algorithm]) -> Algorithm:
+        modes = [m for m in modes if m.plain or self._fit(m) > 0]
         untried = [m for m in modes if self.model.rounds(m) < MIN_TRIES]
         if untried:
             # in turn with plain steps, so that every trial is judged against plain steps measured next to it
@@ -392,8 +577,8 @@ class Schedule:
         return min(kept, key=self.per_token)
 
     def observe(self, r: RoundRecord) -> None:
-        """What the round cost and kept. Its setup (a drafter's prefill) is kept out of the rates, but counts in what
-        probing its algorithm cost."""
+        """What the round cost and kept. Its setup (a drafter's prefill or catching up) is kept out of the rates, but
+        counts in what probing its algorithm cost and in what the answer's speculation lost."""
         mode = r.algorithm
         self.round += 1
         self.probed = self.probed or (mode.plain and r.positions_fed != 0)
@@ -401,7 +586,11 @@ class Schedule:
             self.since[m] = 0 if m == mode else self.since[m] + 1
         plain = self.per_token(PLAIN)  # before this round's times count: what plain decoding costs near it
         self.model.observe(r)
-        if not mode.plain and len(self.modes) > 1:
+        self.emitted += r.emitted
+        if not mode.plain and len(self.modes) > 1 and plain != float("inf"):
+            excess = r.seconds + r.setup_s - r.emitted * plain
+            self.lost_s = max(0.0, self.lost_s + excess)
+            Mean.add(self.recent.setdefault(mode, [0.0, 0.0]), excess)
             self._check_realised(mode, r.seconds, r.emitted, plain)
         if r.setup_s:
             self.setup_s[mode] = self.setup_s.get(mode, 0.0) + r.setup_s  # paid off at its next wait, once judged
@@ -419,19 +608,41 @@ class Schedule:
                 self.gap[mode] = max(longer, self._rounds_to_amortise(spent, r.emitted))
 
     def _check_realised(self, mode: str, seconds: float, emitted: int, plain_per_token: float) -> None:
-        """Drop `mode` from this answer once its rounds here took longer than plain decoding would have for the same
-        tokens, plain decoding's speed measured near them (taken back if later probes make up for it)."""
-        if plain_per_token == float("inf"):
-            return
+        """Drop `mode` from the rest of this answer once its rounds here took longer than plain decoding would have
+        for the same tokens (plain decoding's speed measured near them), over REALISED_ROUNDS rounds or by more than
+        the whole probing budget, whatever the model predicted."""
         cell = self.realised.setdefault(mode, [0.0, 0.0, 0])
         cell[0] += seconds
         cell[1] += emitted * plain_per_token
         cell[2] += 1
-        if cell[2] >= REALISED_ROUNDS:
-            if cell[0] > cell[1]:
-                self.dropped.add(mode)
-            else:
-                self.dropped.discard(mode)
+        lost = cell[0] - cell[1]
+        if (cell[2] >= REALISED_ROUNDS and lost > 0) or lost > self.budget_s():
+            self.dropped.add(mode)
+
+    def realised_speedup(self, mode: str) -> float | None:
+        """What the mode's rounds in this answer achieved against plain decoding measured near them."""
+        cell = self.realised.get(mode)
+        return cell[1] / cell[0] if cell and cell[0] > 0 else None
+
+    def sources(self, chosen: Algorithm, found: bool) -> tuple[Source, ...]:
+        """Each source auto weighs, after it chose `chosen` for a round: which one runs, and why each other is off."""
+        return tuple(self._source(m, chosen, found) for m in self.weighed if not m.plain)
+
+    def _source(self, m: Algorithm, chosen: Algorithm, found: bool) -> Source:
+        realised, expected = self.realised_speedup(m), self.model.expected_speedup(m, self.k_for(m))
+        if m == chosen:
+            return Source(m, SourceState.IN_USE, realised if realised is not None else expected)
+        if m in self.left_out:
+            return Source(m, SourceState.CANNOT_PAY, self.left_out[m])
+        if m in self.dropped:
+            return Source(m, SourceState.DROPPED, realised)
+        if m.spec.proposes is Proposal.LOOKUP and not found:
+            return Source(m, SourceState.NO_MATCH, expected)
+        if self._fit(m) == 0:
+            return Source(m, SourceState.BUDGET, expected)
+        if self.model.rounds(m) < MIN_TRIES:
+            return Source(m, SourceState.UNTRIED)
+        return Source(m, SourceState.LOSES if expected is not None and expected < 1 else SourceState.SLOWER, expected)
 
     def _rounds_to_amortise(self, seconds: float, emitted: int) -> int:
         """Plain rounds after which a round that took `seconds` for `emitted` tokens cost PROBE_BUDGET of the time."""

@@ -555,7 +555,9 @@ def add_use(m: Measured, target: str) -> Measured:
 
 def recording(pair, events: Iterator, greedy: bool) -> Iterator:
     """`events` passed through; at Finished, each algorithm's accepted and tested positions over this generation's
-    rounds are added to the store (`record_acceptance`), once per generation."""
+    rounds are added to the store (`record_acceptance`), once per generation, and what auto's cost model has learned
+    of the pair is kept for the next process (`costs.remember`)."""
+    from .costs import remember
     from .events import Finished, Round
 
     if not recording_on():
@@ -567,8 +569,9 @@ def recording(pair, events: Iterator, greedy: bool) -> Iterator:
             cell = counts.setdefault(event.algorithm, [0, 0])
             cell[0] += event.accepted
             cell[1] += tested_positions(event.accepted, event.drafted)
-        elif isinstance(event, Finished) and pair.drafter_name:
-            for algo, (a, d) in counts.items():
+        elif isinstance(event, Finished):
+            remember(pair)
+            for algo, (a, d) in counts.items() if pair.drafter_name else ():
                 record_acceptance(pair.target_name, pair.drafter_name, algo, a, d, sampled=not greedy)
         yield event
 

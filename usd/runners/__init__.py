@@ -16,6 +16,8 @@ class DecodingContext(Protocol):
     fed before or batched with it, as far as the runner can promise (docs/design.md §8)."""
 
     ids: list[int]
+    cached: int
+    """How many of `ids` the cache holds (the rest the next forward feeds)."""
     forward_s: float
     """Seconds spent inside model forwards (the rest of a round's time is the loop's own)."""
 
