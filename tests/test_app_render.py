@@ -513,6 +513,36 @@ def test_the_stats_say_in_words_what_auto_chose_and_why():
     assert "auto&#x27;s choice" not in render.stats_html(plain.numbers(), "tli")
 
 
+def test_the_stats_name_the_source_in_use_its_gain_and_why_each_other_is_off():
+    """Issue 41 point 3: which source auto uses now, its measured gain, and why the others are off, in words."""
+    from usd.events import Bound, Source, SourceState
+
+    sources = (
+        Source("tli", SourceState.CANNOT_PAY, 0.84),
+        Source("slem", SourceState.DROPPED, 0.71),
+        Source("ngram", SourceState.IN_USE, 1.42),
+    )
+    live = render.Live("auto")
+    live.add(
+        Round(7, 4, (piece("y", "accepted", 7),), 4, 4, 0.0, 0.1, 0.0, "ngram", expected_speedup=1.3, sources=sources)
+    )
+    text = render.stats_html(live.numbers(), "auto")
+    assert "ngram k=4 (n-gram lookup, no model), 1.42x plain decoding in this answer so far" in text
+    assert "tli: cannot pay on this machine: at most 0.84x with every drafted token accepted" in text
+    assert "slem: dropped for this answer: its rounds ran at 0.71x plain decoding" in text
+    off = (
+        Source("ngram", SourceState.NO_MATCH),
+        Source("tli", SourceState.BUDGET),
+        Source("slem", SourceState.LOSES, 0.8),
+    )
+    bound = Bound(1, 0.91, 0.26, 1.93, "while decoding")
+    live.add(Round(8, 0, (piece("z", "target", 8),), 0, 0, 0.0, 0.1, 0.0, "none", bound=bound, sources=off))
+    text = render.stats_html(live.numbers(), "auto")
+    assert "measured while decoding" in text and "ngram: the lookup finds no earlier text to copy here" in text
+    assert "tli: trying it now could cost more than the answer&#x27;s probing budget has left" in text
+    assert "slem: expected at 0.80x plain decoding; tried again now and then" in text
+
+
 def test_a_plain_answer_shows_no_speedup_of_plain_against_plain_but_an_earlier_speculative_answer():
     plain = [plain_round(i) for i in range(3)]
     live = render.Live("none", baseline_tokens_per_s=10.0)
