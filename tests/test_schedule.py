@@ -500,3 +500,14 @@ def test_each_source_says_why_it_is_off():
     mode, _ = s.next(found=True)
     (ngram,) = [src for src in s.sources(mode, found=True) if src.name == "ngram"]
     assert mode == "ngram" and ngram.state is SourceState.IN_USE and ngram.speedup > 1
+
+
+def test_the_budget_expects_answers_as_long_as_the_pairs_earlier_ones_not_max_new_tokens():
+    """A max new tokens of thousands is no licence to probe more in answers that end after a couple of dozen tokens:
+    the budget is sized by the typical length of the pair's answers (never more than max new tokens)."""
+    pair, world = fake_pair(), World(**LOSES)
+    for _ in range(5):
+        world.run(Schedule(pair, "auto", "auto", answer_tokens=4096), 24)
+    s = Schedule(pair, "auto", "auto", answer_tokens=4096)
+    assert s.answer_tokens == pytest.approx(24)
+    assert Schedule(pair, "auto", "auto", answer_tokens=10).answer_tokens == 10

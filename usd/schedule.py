@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import math
 
+from . import settings
 from .algorithms import NAMES, PLAIN, Algorithm, Proposal, auto_modes
 from .events import Bound, Source, SourceState
 from .record import RoundRecord
@@ -58,7 +59,8 @@ PROBE_SHARE = 0.02
 more) that auto lets speculation lose in it: a round that might lose (a source not yet judged, or judged to lose)
 runs only while its worst case, added to what speculative rounds lost in this answer so far, stays within it."""
 DEFAULT_ANSWER_TOKENS = 128
-"""The answer length the probing budget assumes when it is not told (the decode loop tells it max new tokens)."""
+"""The answer length the probing budget assumes before the pair has given any answer (then: the typical length of
+its answers so far, never more than the max new tokens asked for)."""
 CATCH_UP_MIN = 4
 """Positions the drafter may lack before a draft and still feed with its first draft step; more (its prompt at its
 first draft, what was committed while auto decoded plainly) it feeds in a forward of their own first, timed as
@@ -159,7 +161,8 @@ def valid_memory(memory) -> bool:
     version's) or a damaged file is not used, and the pair starts from what was measured at load."""
     try:
         modes = memory["modes"]
-        cells = [memory["feed"], *(m[c] for m in modes.values() for c in ("draft", "c", "other", "hits"))]
+        cells = [memory["feed"], memory["answer_tokens"]]
+        cells += [m[c] for m in modes.values() for c in ("draft", "c", "other", "hits")]
         verifies = [cell for by_n in memory["verify"].values() for window in by_n.values() for cell in window]
         keys = [*memory["steps"], *memory["verify"], *(n for by_n in memory["verify"].values() for n in by_n)]
         named = [*modes, *memory["gap"], *memory["since"], *memory["setup_s"]]
@@ -173,6 +176,7 @@ def valid_memory(memory) -> bool:
             and all(isinstance(m["rounds"], int) for m in modes.values())
             and all(_numbers([t]) and (r is None or _numbers([r])) for t, r in verifies)
             and all(_numbers(list(memory[key].values())) for key in ("gap", "since", "setup_s"))
+            and _numbers([memory.get("last_answer", 0)])
         )
     except (KeyError, TypeError, ValueError, AttributeError):
         return False
@@ -386,10 +390,10 @@ class Schedule:
         probe_first: bool = True,
         seeded_sampling: bool = False,
         lookup: bool = False,
-        answer_tokens: int = DEFAULT_ANSWER_TOKENS,
+        answer_tokens: int = settings.MAX_NEW_TOKENS_MAX,
     ):
         """`lookup`: auto may draft by n-gram lookup (the generation keeps the index). `answer_tokens`: the most the
-        answer may take (max new tokens), which sizes auto's probing budget."""
+        answer may take (max new tokens), which bounds the length auto's probing budget expects."""
         self.algorithm = algorithm = Algorithm(algorithm)
         self.modes = [algorithm]
         if algorithm.chooses:
@@ -417,7 +421,9 @@ class Schedule:
         for m in self.modes:
             self.since.setdefault(m, 0)
         self.setup_s = memory.setdefault("setup_s", {})  # mode -> setup seconds its next wait has yet to pay off
-        self.answer_tokens = answer_tokens
+        self.answer_tokens = self._expected_length(memory, answer_tokens)
+        """The answer's expected length: what sizes its probing budget (a max new tokens of thousands is no reason to
+        probe more in an answer that, like the pair's earlier ones, ends after a few dozen)."""
         self.emitted = 0
         self.lost_s = 0.0
         """What auto's speculative rounds lost in this answer against plain decoding measured near them, their catching
@@ -446,6 +452,16 @@ class Schedule:
         self.declined: tuple[str, int, float] | None = None
         """When auto chose a plain step although it could speculate: the best speculating (mode, k) it weighed and
         the speedup it expected of it (below 1 where speculation does not pay on this machine)."""
+
+    @staticmethod
+    def _expected_length(memory: dict, max_new_tokens: int) -> float:
+        """The typical length of the pair's answers (a running mean, the last one folded in now), or
+        DEFAULT_ANSWER_TOKENS before any, at most `max_new_tokens`."""
+        lengths = memory.setdefault("answer_tokens", [0.0, 0.0])
+        last = memory.pop("last_answer", None)
+        if last:
+            Mean.add(lengths, last)
+        return min(max_new_tokens, Mean.of(lengths) or DEFAULT_ANSWER_TOKENS)
 
     def _costs_now(self, costs: dict) -> tuple[float, dict[int, float], str]:
         """c and v(k) as the loop measured them in earlier answers of the pair (in this process or, kept in the cost
@@ -587,6 +603,7 @@ class Schedule:
         plain = self.per_token(PLAIN)  # before this round's times count: what plain decoding costs near it
         self.model.observe(r)
         self.emitted += r.emitted
+        self.model.memory["last_answer"] = self.emitted
         if not mode.plain and len(self.modes) > 1 and plain != float("inf"):
             excess = r.seconds + r.setup_s - r.emitted * plain
             self.lost_s = max(0.0, self.lost_s + excess)
