@@ -218,10 +218,11 @@ class CostModel:
         self.bucket = length_bucket(0)
         """The cache length what the model is asked about is priced at (`at`)."""
         self._as_of: tuple[int, str] | None = None
-        """The `observed` count and bucket the two caches below hold for: a round's choice asks for V and each mode's
-        best k dozens of times, and the medians behind them change only when a round is observed."""
+        """The `observed` count and bucket the caches below hold for: a round's choice asks for V, round costs and
+        each mode's best k dozens of times, and the medians behind them change only when a round is observed."""
         self._known: tuple[float | None, dict[int, float]] | None = None
         self._best_k: dict[tuple[str, int], tuple[int, float | None]] = {}
+        self._costs: dict[tuple[str, int, int], float | None] = {}
 
     def at(self, context: int) -> None:
         """Price what is asked next at a target cache of `context` positions."""
@@ -235,7 +236,7 @@ class CostModel:
         """The target's single step at this cache length: the median of the recent ones there, or at the nearest
         length with enough (the one timed at load while there are few: a first step slowed by other work made every
         verify after it look cheap)."""
-        return self._step(self.bucket)
+        return self._lengths()[0]
 
     def _step(self, bucket: str) -> float | None:
         enough = [b for b, xs in self.steps.items() if len(xs) >= MIN_PLAIN_STEPS]
@@ -295,14 +296,14 @@ class CostModel:
         """Drop the caches once another round has been observed into the memory, or another length is asked about."""
         key = (self.memory["observed"], self.bucket)
         if self._as_of != key:
-            self._as_of, self._known, self._best_k = key, None, {}
+            self._as_of, self._known, self._best_k, self._costs = key, None, {}, {}
 
     def _lengths(self) -> tuple[float | None, dict[int, float]]:
         """The plain step and V's known lengths: ratios to the step (with 1: 1.0), the loop's where it measured them
         and the load's, scaled by what the loop found of them, elsewhere; or seconds without a step."""
         self._fresh()
         if self._known is None:
-            step = self.step()
+            step = self._step(self.bucket)
             if step is not None:
                 measured = self._ratios()
                 known = {**self._prior_ratios(measured), **measured, 1: 1.0}
@@ -347,6 +348,13 @@ class CostModel:
 
     def round_cost(self, mode: str, k: int, pending: int = 0) -> float | None:
         """A round's expected seconds; with `pending`, the drafter's catching up on that many positions first."""
+        self._fresh()
+        key = (mode, k, pending if pending > CATCH_UP_MIN else 0)
+        if key not in self._costs:
+            self._costs[key] = self._round_cost(mode, k, pending)
+        return self._costs[key]
+
+    def _round_cost(self, mode: str, k: int, pending: int) -> float | None:
         verify = self.V(k + 1)
         if verify is None:
             return None
