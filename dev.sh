@@ -19,24 +19,50 @@ if [ ! -x .venv/bin/python ]; then
 fi
 py=.venv/bin/python
 stamp=.venv/.usd-installed
-if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
+llama_spec="llama-cpp-python==0.3.36"
+llama_patch=patches/llama-cpp-python-exact-rows.patch
+
+# llama.cpp for precision gguf, built from llama-cpp-python's source with usd-chat's exact-rows patch (a verify of up to
+# 16 tokens in one call, each row with a single step's bits: usd/runners/llamacpp/kernels.py). The wheel is kept per
+# patch and CPU (the build is for this CPU's instructions) and reused. Without the multimodal library (mtmd), which
+# usd-chat does not use, and without llama.cpp's AMX kernels, which -march=native turns on where the CPU reports AMX:
+# the runner's exactness rule does not cover them, and on an AMX machine here their first tile load died with a general
+# protection fault (usd/runners/llamacpp/binding.py).
+install_llama_cpp() {
+    if "$py" -c "import ctypes, llama_cpp; ctypes.CDLL('libggml-cpu.so.0').ggml_cpu_set_exact_rows" >/dev/null 2>&1 \
+        && [ ! "$llama_patch" -nt "$stamp" ]; then
+        return
+    fi
+    local key wheels src no_amx="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+    key="$(cat "$llama_patch" <(grep -m1 '^flags' /proc/cpuinfo 2>/dev/null || uname -m) | sha256sum | cut -c1-16)"
+    wheels="${XDG_CACHE_HOME:-$HOME/.cache}/usd-chat/wheels/llama-cpp-python-$key"
+    if ! ls "$wheels"/*.whl >/dev/null 2>&1; then
+        echo "building llama.cpp from source (llama-cpp-python with $llama_patch, for precision gguf); this takes" \
+            "about 6-7 minutes on two idle cores, longer on busy ones, once: the wheel is kept in $wheels" >&2
+        src="$(mktemp -d)"
+        trap 'rm -rf "$src" "$wheels.part"' EXIT  # an interrupted build leaves nothing behind
+        "$py" -m pip download -q --disable-pip-version-check --no-deps --no-binary :all: "$llama_spec" -d "$src"
+        tar xzf "$src"/llama_cpp_python-*.tar.gz -C "$src"
+        (cd "$src"/llama_cpp_python-*/ && git apply -p1 "$OLDPWD/$llama_patch")
+        rm -rf "$wheels.part"
+        CMAKE_ARGS="${CMAKE_ARGS:--DLLAVA_BUILD=OFF -DCMAKE_C_FLAGS='$no_amx' -DCMAKE_CXX_FLAGS='$no_amx'}" \
+            "$py" -m pip wheel -q --disable-pip-version-check --no-deps -w "$wheels.part" "$src"/llama_cpp_python-*/
+        mkdir -p "$(dirname "$wheels")" && mv "$wheels.part" "$wheels"
+        rm -rf "$src"
+        trap - EXIT
+    fi
+    "$py" -m pip install -q --disable-pip-version-check --force-reinstall --no-deps "$wheels"/*.whl
+}
+
+if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ "$llama_patch" -nt "$stamp" ]; then
     "$py" -m pip install -q --disable-pip-version-check --upgrade pip
     if [ -z "${TORCH_SPEC:-}" ]; then
         if command -v nvidia-smi >/dev/null 2>&1; then TORCH_SPEC="torch"; else TORCH_SPEC="torch==2.13.0"; fi
     fi
     "$py" -m pip install -q --disable-pip-version-check "$TORCH_SPEC"
     "$py" -m pip install -q --disable-pip-version-check -e ".[test]"
-    if ! "$py" -c "import llama_cpp" >/dev/null 2>&1; then
-        echo "building llama.cpp from source (llama-cpp-python, for precision gguf); this takes about 6-7 minutes" \
-            "on two idle cores, longer on busy ones, once: pip caches the built wheel" >&2
-    fi
-    # without the multimodal library (mtmd), which usd-chat does not use: a fifth less to compile. llama-cpp-python
-    # leaves llama.cpp's server, tools, examples, tests and curl out by itself. Without llama.cpp's AMX kernels, which
-    # -march=native turns on where the CPU reports AMX: the runner's exactness rule does not cover them, and on an
-    # AMX machine here their first tile load died with a general protection fault (usd/runners/llamacpp/binding.py).
-    no_amx="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
-    CMAKE_ARGS="${CMAKE_ARGS:--DLLAVA_BUILD=OFF -DCMAKE_C_FLAGS='$no_amx' -DCMAKE_CXX_FLAGS='$no_amx'}" \
-        "$py" -m pip install -q --disable-pip-version-check -e ".[llamacpp]"
+    install_llama_cpp
+    "$py" -m pip install -q --disable-pip-version-check -e ".[llamacpp]"  # llama-cpp-python's own dependencies
     touch "$stamp"
 fi
 

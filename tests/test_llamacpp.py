@@ -79,6 +79,58 @@ def test_a_position_has_the_same_logits_alone_and_in_a_batch(gguf, name, prompt)
         )
 
 
+def _filler(tok, n: int) -> list[int]:
+    """About n ids of code, for a cache of that length."""
+    ids = tok.encode("".join(FUNC.format(i=i) for i in range(n // 20 + 1)))
+    assert len(ids) >= n
+    return ids[:n]
+
+
+@pytest.mark.parametrize("name", [QWEN, SMOL])
+@pytest.mark.parametrize("cached", [300, 600, 4000, 4200], ids=lambda n: f"{n} cached")
+@pytest.mark.real_models
+@needs_llama
+def test_every_row_of_a_verify_has_a_single_steps_bits(gguf, name, cached):
+    """Each row of a call of n rows, n = 2 .. the row batch (16 with the exact-rows patch), gets the bits of the same
+    position evaluated alone, with the cache on both sides of 512 (where one query takes flash attention's split-KV
+    kernel unless the V cache is bf16) and of 4096. Where the patch is built in, the calls are its rows kernels."""
+    model, tok = gguf[name]
+    sizes = list(range(2, model.batching.row_batch + 1))
+    assert model.batching.exact_rows == (llamacpp.exact_rows() > 0)
+    gaps = llamacpp.row_gaps(model, _filler(tok, cached + max(sizes)), sizes)
+    assert all(gap == 0.0 for gap in gaps.values()), f"{name}, {cached} cached: gaps by rows {gaps}"
+
+
+@pytest.mark.real_models
+@needs_llama
+def test_ci_builds_the_exact_rows_patch(gguf):
+    """dev.sh (and so CI) builds llama.cpp with patches/llama-cpp-python-exact-rows.patch: the tests above check its
+    kernels, not the unpatched rule's."""
+    assert llamacpp.exact_rows() == llamacpp.EXACT_ROWS
+    assert gguf[QWEN][0].batching == llamacpp.Batching.for_weights(True, llamacpp.EXACT_ROWS)
+
+
+@pytest.mark.real_models
+@needs_llama
+def test_rows_that_differ_at_load_put_the_process_on_the_unpatched_rule(catalog, gguf, monkeypatch):
+    """The first model a process loads checks the patch's rows; rows that differ (a CPU where the kernels' premises
+    fail) turn exact rows off, the model takes the unpatched rule, and the load line says why."""
+    from usd.runners.llamacpp import binding, model as model_module
+
+    if not llamacpp.exact_rows():
+        pytest.skip("llama.cpp without the exact-rows patch")
+    monkeypatch.setattr(model_module, "_exact_rows_checked", False)
+    monkeypatch.setattr(model_module, "row_gaps", lambda model, ids, sizes: {n: 0.25 for n in sizes})
+    lines: list[str] = []
+    try:
+        loaded = load_model(catalog.get(SMOL), device="cpu", precision="gguf", log=lines.append).model
+        assert loaded.batching == llamacpp.Batching.for_weights(True) and llamacpp.exact_rows() == 0
+        assert any("calls of at most 3 tokens: its rows differed from single steps by 0.25" in line for line in lines)
+    finally:
+        binding._state.update(binding._exact_rows())  # exact rows on again, for the tests after this one
+    assert llamacpp.exact_rows() == llamacpp.EXACT_ROWS
+
+
 # --- greedy identity -------------------------------------------------------------------------------------------------
 
 
@@ -120,6 +172,35 @@ def test_the_default_pair_equals_plain_greedy(catalog, real_paths):
     assert isinstance(pair.drafter, llamacpp.LlamaCppModel)
     _identity(pair, PROMPTS[0])
     _identity(pair, messages=[{"role": "user", "content": CHATS[0]}])
+
+
+@pytest.mark.real_models
+@needs_llama
+def test_the_default_pair_in_a_chat_asking_for_its_answer_again_equals_plain_greedy(catalog, real_paths):
+    """Verifies of up to 16 tokens in one call (the exact-rows patch) on the default pair: the second turn asks for the
+    first answer again with a change, so the lookup drafts long copied spans; every turn of every algorithm's
+    conversation is plain decoding's."""
+    import usd
+
+    pair = usd.load_pair(catalog=catalog, device="cpu", log=lambda m: None)
+    questions = [CHATS[0], "Write that function again, with a docstring."]
+
+    def conversation(algorithm, k):
+        messages, answers, mean_k = [], [], []
+        for q in questions:
+            messages.append({"role": "user", "content": q})
+            done = api.generate(pair, messages=messages, algorithm=algorithm, draft_tokens=k, max_new_tokens=64)
+            answers.append(done.target_ids)
+            mean_k.append(done.stats.mean_k)
+            messages.append({"role": "assistant", "content": done.text})
+        return answers, mean_k
+
+    plain, _ = conversation("none", "auto")
+    for algorithm, k in (("ngram", 16), ("auto", "auto"), ("tli", 8)):
+        answers, mean_k = conversation(algorithm, k)
+        assert answers == plain, f"{algorithm}: a turn differs from plain decoding's"
+        if algorithm == "ngram":
+            assert mean_k[1] > pair.target.batching.row_batch // 4, "the second turn's drafts should copy long spans"
 
 
 @pytest.mark.real_models
@@ -345,16 +426,18 @@ def test_a_verify_longer_than_a_row_batch_equals_plain_greedy(gguf):
 
 
 @pytest.mark.parametrize("repacked", [True, False], ids=["repacked weights", "plain weights"])
-def test_no_llama_decode_call_is_longer_than_the_batch_arrays(repacked):
+@pytest.mark.parametrize("exact_rows", [0, 16], ids=["unpatched", "exact rows"])
+def test_no_llama_decode_call_is_longer_than_the_batch_arrays(repacked, exact_rows):
     """llama_batch_init sizes its token, position and sequence arrays for N_BATCH tokens: a longer call writes past
     them. Every prompt length up to the context cap is cut into calls that fit, each large enough for the prefill
-    kernels, covering the prompt once."""
-    batching = llamacpp.Batching.for_weights(repacked)
-    for n in range(llamacpp.PREFILL_MIN_ROWS, llamacpp.N_CTX_CAP + 1):
+    kernels (or, too short for them, on the row kernels in row batches), covering the prompt once."""
+    batching = llamacpp.Batching.for_weights(repacked, exact_rows)
+    for n in range(1, llamacpp.N_CTX_CAP + 1):
         calls = batching.calls(batching.kernels([], n, 1))
         sizes = [end - start for start, end in calls]
         assert max(sizes) <= llamacpp.N_BATCH, f"a prompt of {n}: calls of {sizes}"
-        assert min(sizes) >= llamacpp.PREFILL_MIN_ROWS and calls[0][0] == 0 and calls[-1][1] == n, (n, calls)
+        assert calls[0][0] == 0 and calls[-1][1] == n, (n, calls)
+        assert max(sizes) <= batching.row_batch or min(sizes) >= batching.prefill_min, (n, calls)
         assert all(a[1] == b[0] for a, b in itertools.pairwise(calls)), (n, calls)
 
 

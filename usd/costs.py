@@ -99,7 +99,8 @@ def machine(model) -> str:
     llama.cpp runner, precision gguf) runs its GGUF's own quantized weights and has no torch parameters to ask."""
     own_runner = is_own_runner(model)
     if own_runner:
-        where, runner = f"{model.device.type}/gguf", type(model).__name__
+        # the rule is part of the runner: the same model verifies in one call with exact rows, in several without
+        where, runner = f"{model.device.type}/gguf", f"{type(model).__name__}/{model.batching.key}"
     else:
         param = next(iter(model.parameters()), None)
         where = f"{param.device.type}/{str(param.dtype).removeprefix('torch.')}" if param is not None else "?"

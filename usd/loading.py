@@ -454,7 +454,11 @@ def _load_gguf(entry: ModelEntry, path: Path, log):
             GenerationConfig.from_pretrained(path) if (path / "generation_config.json").is_file() else None
         )
         with verifying(gguf.parent, entry.name, only=GGUF_NAME) if gguf.name == GGUF_NAME else contextlib.nullcontext():
-            return LlamaCppModel(gguf, n_ctx=entry.context_length, generation_config=generation_config, name=entry.name)
+            model = LlamaCppModel(
+                gguf, n_ctx=entry.context_length, generation_config=generation_config, name=entry.name
+            )
+        log(f"{entry.name} on llama.cpp: {model.batching.rule}{model.rule_why}")
+        return model
     except (StoreError, LlamaCppUnavailable, RuntimeError) as e:
         raise LoadError(f"{entry.name}: {e}") from None
 

@@ -42,6 +42,11 @@ K_START = 4
 """The draft length a mode is first tried at, before anything is known about it (where the costs measured at load are
 known, the length that could pay most instead: `Schedule.start_k`)."""
 K_MAX = 8
+"""The longest draft of a drafter model (each of its tokens costs a drafter step)."""
+K_MAX_LOOKUP = 16
+"""The longest draft of the lookup, whose drafts cost next to nothing: a copied span whole, where the verify is flat
+(a llama.cpp with exact rows verifies up to 16 tokens in one call); the cost model chooses shorter ones where it is
+not."""
 MIN_TRIES = 3
 """Rounds a mode gets before the model judges it."""
 PROBE_EVERY = 16
@@ -87,6 +92,11 @@ def tested_positions(accepted: int, drafted: int) -> int:
     """The candidates of a round the verifier tested: all that were accepted, and the first rejected one if any (the
     ones after it were never tested)."""
     return accepted + (1 if accepted < drafted else 0)
+
+
+def k_max_of(mode: Algorithm) -> int:
+    """The longest draft of a mode."""
+    return K_MAX_LOOKUP if mode.spec.proposes is Proposal.LOOKUP else K_MAX
 
 
 def speedup_bound(c: float, v: dict[int, float], ceiling: float = 1.0, k_max: int = K_MAX) -> tuple[int, float]:
@@ -283,9 +293,9 @@ class CostModel:
         return interpolate(known, n) if known else None
 
     def verify_costs(self) -> dict[int, float] | None:
-        """v(k), V(k + 1) over the step, for k = 1..K_MAX as the model reads them now (None without a step)."""
+        """v(k), V(k + 1) over the step, for k = 1..K_MAX_LOOKUP as the model reads them now (None without a step)."""
         step, known = self._lengths()
-        return {k: interpolate(known, k + 1) for k in range(1, K_MAX + 1)} if step is not None else None
+        return {k: interpolate(known, k + 1) for k in range(1, K_MAX_LOOKUP + 1)} if step is not None else None
 
     def drafter_c(self) -> float | None:
         """The drafter's step over the target's as the loop measured it (the cheapest of its modes), if it has."""
@@ -486,7 +496,7 @@ class Schedule:
         if not costs:
             return None
         c, v, measured = self._costs_now(costs)
-        free = speedup_bound(0.0, v)[1]
+        free = speedup_bound(0.0, v, k_max=K_MAX_LOOKUP)[1]
         if free < 1:
             self._leave_out([m for m in self.modes if m.spec.proposes is Proposal.LOOKUP], free)
         k, speedup = speedup_bound(c, v)
@@ -513,7 +523,7 @@ class Schedule:
             return {}
         c, v, _ = self._costs_now(costs)
         c_of = {m: 0.0 if m.spec.proposes is Proposal.LOOKUP else c for m in self.modes if not m.plain}
-        return {m: speedup_bound(c_m, v)[0] for m, c_m in c_of.items()}
+        return {m: speedup_bound(c_m, v, k_max=k_max_of(m))[0] for m, c_m in c_of.items()}
 
     def k_for(self, mode: Algorithm) -> int:
         if mode.plain:
@@ -521,7 +531,7 @@ class Schedule:
         if self.k_fixed is not None:
             return self.k_fixed
         if self.model.rounds(mode) >= MIN_TRIES:
-            return self.model.best_k(mode)[0]
+            return self.model.best_k(mode, k_max_of(mode))[0]
         return self.start_k.get(mode, K_START)
 
     def per_token(self, mode: Algorithm) -> float:

@@ -2,14 +2,15 @@
 `kernels.py`. `binding` loads the library, `model` the GGUF, `pool` and `cache` hold its llama.cpp contexts, `context`
 is the decoding context the loop drives, `checks` compares the runner with llama.cpp's own generate."""
 
-from .binding import BUILD_ARGS, INSTALL_HINT, LlamaCppUnavailable, available, cpu_threads
+from .binding import BUILD_ARGS, EXACT_ROWS, INSTALL_HINT, LlamaCppUnavailable, available, cpu_threads, exact_rows
 from .checks import batch_invariance, llama_with_our_attention
 from .kernels import GEMM_ROWS, N_BATCH, PREFILL, PREFILL_MIN_ROWS, ROW, TAIL, Batching, Kernel
-from .model import N_CTX_CAP, LlamaCppModel
+from .model import N_CTX_CAP, LlamaCppModel, row_gaps
 from .pool import MAX_CACHES
 
 __all__ = [
     "BUILD_ARGS",
+    "EXACT_ROWS",
     "GEMM_ROWS",
     "INSTALL_HINT",
     "MAX_CACHES",
@@ -26,5 +27,7 @@ __all__ = [
     "available",
     "batch_invariance",
     "cpu_threads",
+    "exact_rows",
     "llama_with_our_attention",
+    "row_gaps",
 ]

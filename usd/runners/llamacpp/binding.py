@@ -24,6 +24,17 @@ INSTALL_HINT = (
 )
 
 
+EXACT_ROWS = 16
+"""The most rows whose products patches/llama-cpp-python-exact-rows.patch gives each row its one-row bits in (its
+GGML_CPU_EXACT_ROWS_MAX): a verify of up to this many tokens is one llama_decode call."""
+EXACT_ROWS_ENV = "USD_EXACT_ROWS"
+"""Set to 0 to run a patched llama.cpp on the unpatched rule (for side-by-side measurements)."""
+PATCH_HINT = (
+    "llama.cpp without usd-chat's exact-rows patch (pip's own build): a verify runs in calls of at most 3 tokens, "
+    "so it costs about a plain step per token; ./dev.sh setup builds the patched llama.cpp"
+)
+
+
 class LlamaCppUnavailable(ImportError):
     """llama-cpp-python is not installed (or its library does not load); the message says how to install it."""
 
@@ -57,7 +68,42 @@ def library():
         llama_cpp.llama_log_set(log, ctypes.c_void_p(0))
         llama_cpp.llama_backend_init()
         _state.update(lib=llama_cpp, log=log, errors=errors)  # the callback must outlive every call into llama.cpp
+        _state.update(_exact_rows())
         return llama_cpp
+
+
+def _exact_rows() -> dict:
+    """Turn the patch's exact rows on where the library has them: {"exact_rows": rows, "exact_why": reason}."""
+    try:
+        # the name, not a path: dlopen then returns the copy libllama loaded (the wheel's files are copies, and a
+        # second copy would keep a setting of its own)
+        setter = ctypes.CDLL("libggml-cpu.so.0").ggml_cpu_set_exact_rows
+    except (OSError, AttributeError):
+        return {"exact_rows": 0, "exact_why": PATCH_HINT}
+    setter.argtypes, setter.restype = [ctypes.c_int], ctypes.c_int
+    off = os.environ.get(EXACT_ROWS_ENV, "").strip() == "0"
+    rows = setter(0 if off else EXACT_ROWS)
+    return {"exact_rows": rows, "exact_why": f"{EXACT_ROWS_ENV}=0" if off else ""}
+
+
+def exact_rows() -> int:
+    """How many rows a llama_decode call may verify with each getting its one-row bits (0: the unpatched rule)."""
+    library()
+    return _state["exact_rows"]
+
+
+def exact_rows_off(why: str) -> None:
+    """Back to the unpatched rule for the rest of the process, `why` kept for the load line: a check at load found
+    the rows not invariant on this CPU (model.py)."""
+    library()
+    ctypes.CDLL("libggml-cpu.so.0").ggml_cpu_set_exact_rows(0)
+    _state.update(exact_rows=0, exact_why=why)
+
+
+def exact_rows_why() -> str:
+    """Why exact rows are off (empty when on)."""
+    library()
+    return _state["exact_why"]
 
 
 def _refuse_amx(system_info: bytes) -> None:

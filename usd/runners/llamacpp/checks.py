@@ -8,7 +8,7 @@ import numpy as np
 
 from .binding import GGML_TYPE_BF16, GGML_TYPE_F16, library
 from .kernels import PREFILL
-from .model import LlamaCppModel
+from .model import LlamaCppModel, row_gaps
 
 
 def llama_with_our_attention(model: LlamaCppModel):
@@ -36,18 +36,7 @@ def batch_invariance(model: LlamaCppModel, ids: list[int], k: int = 8) -> float:
     if len(ids) < k + 2:  # the k + 1 positions checked follow at least one
         raise ValueError(f"checking a verify of {k + 1} positions needs at least {k + 2} ids, got {len(ids)}")
     with model.pool.lock:
-        return max(_row_gap(model, ids, k), _prefill_gap(model, ids))
-
-
-def _row_gap(model: LlamaCppModel, ids: list[int], k: int) -> float:
-    model.forget()
-    head, tail = ids[: -k - 1], ids[-k - 1 :]
-    model.feed(head, 0, model.batching.kernels([], len(head), 0))
-    single = np.concatenate([model.feed([t], 1) for t in tail])
-    model.keep_first(len(head))
-    batched = model.feed(tail, k + 1)
-    model.forget()
-    return float(np.abs(single - batched).max())
+        return max(row_gaps(model, ids, [k + 1])[k + 1], _prefill_gap(model, ids))
 
 
 def _prefill_gap(model: LlamaCppModel, ids: list[int]) -> float:

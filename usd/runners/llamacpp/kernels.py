@@ -20,9 +20,17 @@ llama.cpp's CPU backend picks kernels by batch size, and some sum in another ord
   * plain weights (`repacked_weights=False`) take the tiled K-quant matmul at PREFILL_MIN_ROWS (8) rows or more
     and vec_dot below.
   `Batching` holds each layout's geometry: the largest row batch, and the multiple a prefill batch comes in.
+- With usd-chat's exact-rows patch (patches/llama-cpp-python-exact-rows.patch, which ./dev.sh builds), a product of 2
+  to binding.EXACT_ROWS rows gives each row the bits of the one-row kernels: the tiled and llamafile matmuls are left
+  out at those sizes, repacked Q4_K weights take a gemv that unpacks each interleaved block once for all the rows, Q6_K
+  a vec_dot that does the same, other types vec_dot row by row. Then a row batch is up to EXACT_ROWS rows whatever the
+  layout, and the prefill kernels begin above it (`Batching.for_weights`). The first model a process loads checks it
+  (`model.LlamaCppModel._check_rows`); rows that differ put the process back on the rule above, and the load line
+  says so.
 
 So each position gets a `Kernel` once, and keeps it:
-- ROW: the row kernels (row batches of at most 3 rows with repacked weights, 7 with plain ones);
+- ROW: the row kernels (row batches of at most 3 rows with repacked weights, 7 with plain ones, EXACT_ROWS with the
+  patch);
 - PREFILL: the prefill kernels, in whole gemm groups within batches of at least PREFILL_MIN_ROWS;
 - TAIL: the rows of a prefill batch after its last whole gemm group (repacked weights only: gemv for the repacked
   matrices, the prefill kernels for the others).
@@ -70,16 +78,35 @@ ROW, PREFILL, TAIL = Kernel.ROW, Kernel.PREFILL, Kernel.TAIL
 @dataclass(frozen=True)
 class Batching:
     """The llama_decode calls that give a position the same bits in any of them, for one weight layout: at most
-    `row_batch` rows on the row kernels; on the prefill kernels at least PREFILL_MIN_ROWS, in multiples of
-    `multiple`."""
+    `row_batch` rows on the row kernels; on the prefill kernels at least `prefill_min`, in multiples of `multiple`."""
 
     row_batch: int
     multiple: int
+    prefill_min: int = PREFILL_MIN_ROWS
+    exact_rows: bool = False
+    """The row batches are the exact-rows patch's (one call verifies up to `row_batch` tokens)."""
 
     @staticmethod
-    def for_weights(repacked: bool) -> Batching:
+    def for_weights(repacked: bool, exact_rows: int = 0) -> Batching:
+        """The layout's batching; with `exact_rows` (a llama.cpp whose products of 2 to that many rows give each row
+        its one-row bits: binding.exact_rows) every call of up to that many rows is on the row kernels, and the
+        prefill kernels begin above it."""
+        if exact_rows > 1:
+            return Batching(exact_rows, GEMM_ROWS if repacked else 1, max(PREFILL_MIN_ROWS, exact_rows + 1), True)
         # repacked: gemv below GEMM_ROWS rows, whole gemm groups above; plain: vec_dot below the tiled matmul's floor
         return Batching(GEMM_ROWS - 1, GEMM_ROWS) if repacked else Batching(PREFILL_MIN_ROWS - 1, 1)
+
+    @property
+    def key(self) -> str:
+        """The rule in a word, for keys of what was measured under it."""
+        return f"exact-rows-{self.row_batch}" if self.exact_rows else f"row-batch-{self.row_batch}"
+
+    @property
+    def rule(self) -> str:
+        """The rule in words, for the load line and the panel."""
+        if self.exact_rows:
+            return f"exact rows: a verify of up to {self.row_batch} tokens in one call, each weight read once"
+        return f"a verify in calls of at most {self.row_batch} tokens"
 
     def kernels(self, known: list[Kernel], n: int, read: int) -> list[Kernel]:
         """The rule: what computes each of n positions, given the kernels of the first len(known) (a position keeps
@@ -106,7 +133,7 @@ class Batching:
     def prefill_run(self, n: int) -> int:
         """The most of n positions one run on the prefill kernels can take (0: too few for a prefill batch)."""
         n -= n % self.multiple
-        return n if n >= PREFILL_MIN_ROWS else 0
+        return n if n >= self.prefill_min else 0
 
     def whole_runs(self, kernels: list[Kernel]) -> list[Kernel]:
         """`kernels` cut back to the last position a prefill batch can compute again (a trailing prefill run that a
@@ -128,7 +155,7 @@ class Batching:
         end = start
         while end < len(kernels) and kernels[end] == PREFILL:
             end += 1
-        return end - max(PREFILL_MIN_ROWS, -(-(end - start) // self.multiple) * self.multiple)
+        return end - max(self.prefill_min, -(-(end - start) // self.multiple) * self.multiple)
 
     def calls(self, kinds: list[Kernel]) -> list[tuple[int, int]]:
         """[start, end) of each llama_decode call: a run on the row kernels in batches of at most `row_batch`; a
@@ -151,7 +178,7 @@ class Batching:
         parts of about N_BATCH / 2 or more does."""
         if not gemm or self.prefill_run(gemm) != gemm or tail >= self.multiple:
             raise InternalError(
-                f"a prefill run of {gemm} + {tail} positions (prefill batches take {PREFILL_MIN_ROWS} or more, in "
+                f"a prefill run of {gemm} + {tail} positions (prefill batches take {self.prefill_min} or more, in "
                 f"whole groups of {self.multiple} but for fewer TAIL rows)"
             )
         parts = -(-(gemm + tail) // N_BATCH)

@@ -11,7 +11,16 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .binding import GGML_TYPE_BF16, GGML_TYPE_F16, cpu_threads, last_errors, library
+from .binding import (
+    GGML_TYPE_BF16,
+    GGML_TYPE_F16,
+    cpu_threads,
+    exact_rows,
+    exact_rows_off,
+    exact_rows_why,
+    last_errors,
+    library,
+)
 from .cache import N_OUTPUTS, LlamaCache
 from .context import LlamaCppContext
 from .kernels import N_BATCH, ROW, Batching, Kernel
@@ -63,7 +72,7 @@ class LlamaCppModel:
         mp.n_gpu_layers = 0
         # repacked weights, as llama.cpp loads them by default: their gemv serves our row batches (kernels.py)
         mp.use_extra_bufts = repacked_weights
-        self.batching = Batching.for_weights(repacked_weights)
+        self.batching = Batching.for_weights(repacked_weights, exact_rows())
         model = lib.llama_model_load_from_file(str(self.path).encode(), mp)
         if not model:
             raise RuntimeError(f"llama.cpp could not load {self.path}{last_errors()}")
@@ -92,9 +101,33 @@ class LlamaCppModel:
         self.pool = CachePool(self._new_cache, threads, max_caches)
         self.n_ctx = self.pool.caches[0].n_ctx
         self.config = GGUFConfig(max_position_embeddings=self.n_ctx, vocab_size=self.n_vocab, n_ctx_train=n_train)
+        if self.batching.exact_rows and not _exact_rows_checked:
+            self._check_rows(repacked_weights)
+
+    def _check_rows(self, repacked: bool) -> None:
+        """The patch's rows checked once a process, on the first model loaded: a verify of a whole row batch against
+        as many single steps. Rows that differ (a CPU where the kernels' premises fail) turn exact rows off for the
+        process, and this model takes the unpatched rule; a model loaded later reads the verdict."""
+        global _exact_rows_checked
+        _exact_rows_checked = True
+        n = self.batching.row_batch
+        ids = [(7 * i + 1000) % self.n_vocab for i in range(2 * n)]
+        with self.pool.lock:
+            gap = row_gaps(self, ids, [n])[n]
+        if gap != 0.0:
+            exact_rows_off(f"its rows differed from single steps by {gap:.3g} logits on this CPU at load")
+            self.batching = Batching.for_weights(repacked)
+            for cache in self.pool.caches:
+                cache.batching = self.batching
 
     def __repr__(self) -> str:
         return f"LlamaCppModel({self.path.name}, n_ctx={self.n_ctx}, n_vocab={self.n_vocab}, threads={self.n_threads})"
+
+    @property
+    def rule_why(self) -> str:
+        """Why the unpatched rule runs (": ..."), or nothing."""
+        why = "" if self.batching.exact_rows else exact_rows_why()
+        return f": {why}" if why else ""
 
     def new_context(self, ids: list[int]) -> LlamaCppContext:
         return LlamaCppContext(self.batching, self.pool, ids)
@@ -119,6 +152,26 @@ class LlamaCppModel:
 
     def feed(self, tokens: list[int], n_out: int, kernels: Kernel | list[Kernel] = ROW) -> np.ndarray:
         return self.pool.caches[0].feed(tokens, n_out, kernels)
+
+
+def row_gaps(model: LlamaCppModel, ids: list[int], sizes: list[int]) -> dict[int, float]:
+    """For each n in `sizes`: the largest logit difference between n positions after `ids` evaluated one at a time
+    and together, as a verify of n - 1 drafted tokens is (0.0: none). The positions follow on from `ids`; the cache
+    holds `ids` once for all sizes, and is left empty."""
+    model.forget()
+    head, tail = ids[: -max(sizes)], ids[-max(sizes) :]
+    model.feed(head, 0, model.batching.kernels([], len(head), 0))
+    single = np.concatenate([model.feed([t], 1) for t in tail])
+    gaps = {}
+    for n in sizes:
+        model.keep_first(len(head))
+        gaps[n] = float(np.abs(single[:n] - model.feed(tail[:n], n)).max())
+    model.forget()
+    return gaps
+
+
+_exact_rows_checked = False
+"""Whether a model of this process checked the patch's rows at load (`LlamaCppModel._check_rows`)."""
 
 
 def _free(lib, model, handles: list) -> None:
