@@ -21,6 +21,7 @@ import torch
 
 from .hugepages import huge_pages_in_use
 from .runners import is_own_runner
+from .runners.llamacpp import LlamaCppModel
 from .runners.transformers.cpu_kernels import busy, cpu_name, read_choices, write_choices
 from .schedule import measured_v, speedup_bound, valid_memory
 from .vocab import ceiling_of
@@ -99,8 +100,10 @@ def machine(model) -> str:
     llama.cpp runner, precision gguf) runs its GGUF's own quantized weights and has no torch parameters to ask."""
     own_runner = is_own_runner(model)
     if own_runner:
-        # the rule is part of the runner: the same model verifies in one call with exact rows, in several without
-        where, runner = f"{model.device.type}/gguf", f"{type(model).__name__}/{model.batching.key}"
+        # llama.cpp's rule is part of the runner: the same model verifies in one call with exact rows, in several
+        # without (kernels.py)
+        rule = f"/{model.batching.key}" if isinstance(model, LlamaCppModel) else ""
+        where, runner = f"{model.device.type}/gguf", f"{type(model).__name__}{rule}"
     else:
         param = next(iter(model.parameters()), None)
         where = f"{param.device.type}/{str(param.dtype).removeprefix('torch.')}" if param is not None else "?"
