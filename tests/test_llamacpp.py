@@ -110,6 +110,21 @@ def test_ci_builds_the_exact_rows_patch(gguf):
     assert gguf[QWEN][0].batching == llamacpp.Batching.for_weights(True, llamacpp.EXACT_ROWS)
 
 
+@needs_llama
+def test_a_build_without_the_patch_runs_on_the_unpatched_rule_and_says_so(monkeypatch):
+    """pip's own build of llama-cpp-python (a Space's requirements.txt, a plain pip install) has no exact rows: the
+    runner takes the unpatched rule, and the load line says what that gives up and how to get the patch."""
+    from usd.runners.llamacpp import binding
+
+    def no_symbol(name):
+        raise AttributeError(f"{name}: undefined symbol: ggml_cpu_set_exact_rows")
+
+    monkeypatch.setattr(binding.ctypes, "CDLL", no_symbol)
+    assert binding._exact_rows() == {"exact_rows": 0, "exact_why": binding.PATCH_HINT}
+    assert "calls of at most 3 tokens" in binding.PATCH_HINT and "./dev.sh setup" in binding.PATCH_HINT
+    assert llamacpp.Batching.for_weights(True, 0).rule == "a verify in calls of at most 3 tokens"
+
+
 @pytest.mark.real_models
 @needs_llama
 def test_rows_that_differ_at_load_put_the_process_on_the_unpatched_rule(catalog, gguf, monkeypatch):
