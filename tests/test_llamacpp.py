@@ -457,6 +457,23 @@ def test_no_llama_decode_call_is_longer_than_the_batch_arrays(repacked, exact_ro
         assert all(a[1] == b[0] for a, b in itertools.pairwise(calls)), (n, calls)
 
 
+@pytest.mark.parametrize("repacked", [True, False], ids=["repacked weights", "plain weights"])
+@pytest.mark.parametrize("exact_rows", [0, 16], ids=["unpatched", "exact rows"])
+def test_a_refeed_from_any_position_of_a_prompt_is_cut_into_calls_the_kernels_allow(repacked, exact_rows):
+    """A position re-fed (the last one again, after a rollback, or a cache another context changed) starts where its
+    prefill batch can be computed again (`refeed_from`), and what is fed from there cuts into valid calls: a prefill
+    run too short for the prefill kernels, or not whole gemm groups, would be a bug (seen with exact rows, whose
+    smallest prefill batch of 17 rows was not whole groups of 4)."""
+    batching = llamacpp.Batching.for_weights(repacked, exact_rows)
+    for n in range(1, 200):
+        kinds = batching.kernels([], n, 1)
+        for start in range(n):
+            begin = batching.refeed_from(kinds, start)
+            assert begin <= start
+            for a, b in batching.calls(kinds[begin:]):
+                assert b - a <= batching.row_batch or b - a >= batching.prefill_min, (n, start, a, b)
+
+
 def test_a_call_that_would_not_fit_is_refused_before_it_reaches_llama_cpp():
     """The last line of defence: a bug that asks for more than the C arrays hold fails as a bug, not as a write past
     them."""

@@ -92,7 +92,10 @@ class Batching:
         its one-row bits: binding.exact_rows) every call of up to that many rows is on the row kernels, and the
         prefill kernels begin above it."""
         if exact_rows > 1:
-            return Batching(exact_rows, GEMM_ROWS if repacked else 1, max(PREFILL_MIN_ROWS, exact_rows + 1), True)
+            multiple = GEMM_ROWS if repacked else 1
+            # the smallest prefill batch above the row batches that is whole groups (a refeed starts that far back)
+            smallest = -(-(exact_rows + 1) // multiple) * multiple
+            return Batching(exact_rows, multiple, max(PREFILL_MIN_ROWS, smallest), True)
         # repacked: gemv below GEMM_ROWS rows, whole gemm groups above; plain: vec_dot below the tiled matmul's floor
         return Batching(GEMM_ROWS - 1, GEMM_ROWS) if repacked else Batching(PREFILL_MIN_ROWS - 1, 1)
 
