@@ -13,7 +13,6 @@ Same process, every length of a layout and rule interleaved in each repeat, medi
 from __future__ import annotations
 
 import argparse
-import ctypes
 import statistics
 import threading
 import time
@@ -52,13 +51,9 @@ def step_bytes(path) -> int:
     return sum(int(t.n_bytes) for t in reader.tensors if len(t.shape) == 2 and not t.name.startswith("token_embd"))
 
 
-def set_exact_rows(n: int) -> None:
-    ctypes.CDLL("libggml-cpu.so.0").ggml_cpu_set_exact_rows(n)  # the copy libllama loaded (binding._exact_rows)
-
-
 def costs(model, repacked: bool, ids: list[int], cached: int, exact: bool, repeats: int):
     """({n: median seconds of a verify of n}, {n: its batch gap}) under one rule."""
-    set_exact_rows(llamacpp.EXACT_ROWS if exact else 0)
+    binding.set_exact_rows(llamacpp.EXACT_ROWS if exact else 0)
     batching = llamacpp.Batching.for_weights(repacked, llamacpp.EXACT_ROWS if exact else 0)
     cache = model.pool.caches[0]
     model.batching = cache.batching = batching
@@ -93,7 +88,7 @@ def main() -> None:
         for exact in (True, False):
             table[(repacked, exact)] = costs(model, repacked, ids, args.cached, exact, args.repeats)
         model.close()
-    set_exact_rows(llamacpp.EXACT_ROWS)
+    binding.set_exact_rows(llamacpp.EXACT_ROWS)
     threads = llamacpp.cpu_threads()
     bandwidth = read_bandwidth(threads)
     floor = step_bytes(path) / bandwidth

@@ -83,7 +83,7 @@ def _exact_rows() -> dict:
     setter.argtypes, setter.restype = [ctypes.c_int], ctypes.c_int
     off = os.environ.get(EXACT_ROWS_ENV, "").strip() == "0"
     rows = setter(0 if off else EXACT_ROWS)
-    return {"exact_rows": rows, "exact_why": f"{EXACT_ROWS_ENV}=0" if off else ""}
+    return {"exact_rows": rows, "exact_why": f"{EXACT_ROWS_ENV}=0" if off else "", "set_exact_rows": setter}
 
 
 def exact_rows() -> int:
@@ -95,9 +95,15 @@ def exact_rows() -> int:
 def exact_rows_off(why: str) -> None:
     """Back to the unpatched rule for the rest of the process, `why` kept for the load line: a check at load found
     the rows not invariant on this CPU (model.py)."""
-    library()
-    ctypes.CDLL("libggml-cpu.so.0").ggml_cpu_set_exact_rows(0)
+    set_exact_rows(0)
     _state.update(exact_rows=0, exact_why=why)
+
+
+def set_exact_rows(n: int) -> None:
+    """llama.cpp's own switch (the patch's ggml_cpu_set_exact_rows), without changing the rule models load with: for
+    exact_rows_off and for measurements of both rules in one process."""
+    library()
+    _state["set_exact_rows"](n)
 
 
 def exact_rows_why() -> str:

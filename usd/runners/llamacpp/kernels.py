@@ -106,7 +106,7 @@ class Batching:
 
     @property
     def rule(self) -> str:
-        """The rule in words, for the load line and the panel."""
+        """The rule in words, for the load line."""
         if self.exact_rows:
             return f"exact rows: a verify of up to {self.row_batch} tokens in one call, each weight read once"
         return f"a verify in calls of at most {self.row_batch} tokens"
