@@ -105,7 +105,8 @@ def launch(demo, host: str, port: int | None, share: bool = False, concurrency: 
 
 
 def main(argv: list[str] | None = None) -> int:
-    from usd.serve.main import API_KEY_ENV
+    from usd import suffix
+    from usd.serve.main import API_KEY_ENV, add_memory_argument
 
     os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")  # no calls home from a local app
 
@@ -140,7 +141,9 @@ def main(argv: list[str] | None = None) -> int:
         help=f"with --backend, the key sent to it; otherwise the key this app's /v1 "
         f"routes require (default: ${API_KEY_ENV}; unset: none)",
     )
+    add_memory_argument(parser)
     args = parser.parse_args(argv)
+    suffix.MEMORY.resize(args.suffix_memory)
 
     from .space import SpaceModelsError
 

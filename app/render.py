@@ -10,7 +10,7 @@ import itertools
 import time
 from dataclasses import dataclass, field
 
-from usd.algorithms import NAMES, PLAIN, Algorithm, Proposal
+from usd.algorithms import NAMES, PLAIN, Algorithm
 from usd.events import KINDS, Finished, Piece, Round, Source, SourceState, Stats
 
 KIND_LABELS = {
@@ -45,11 +45,18 @@ def piece_span(piece: Piece) -> str:
     # The token view keeps white space (CSS pre-wrap); a token that is only spaces gets a class that shades it, so
     # it can still be seen and hovered.
     blank = " tok-blank" if piece.text and not piece.text.strip() else ""
-    looked_up = " tok-lookup" if piece.copied_from is not None else ""  # drafted by no model: a mark of its own
+    looked_up = _lookup_mark(piece.source)
     return (
         f'<{tag} class="tok tok-{piece.kind}{blank}{looked_up}" data-kind="{piece.kind}" data-round="{piece.round}" '
         f'title="{html.escape(piece_title(piece), quote=True)}">{html.escape(piece.text)}</{tag}>'
     )
+
+
+def _lookup_mark(source: str) -> str:
+    """Drafted by no model: a mark of its own, and one per lookup (tok-ngram, tok-suffix), so that each shows apart."""
+    if source not in NAMES or not Algorithm(source).looks_up:
+        return ""
+    return f" tok-lookup tok-{source}"
 
 
 def pieces_spans(pieces) -> str:
@@ -105,7 +112,13 @@ class LiveFeed:
 
 def legend_html() -> str:
     items = "".join(f'<span class="tok tok-{k}" title="{KIND_LABELS[k]}">{k}</span>' for k in KINDS)
-    lookup = '<span class="tok tok-accepted tok-lookup" title="drafted by n-gram lookup, no model">looked up</span>'
+    lookup = "".join(
+        f'<span class="tok tok-accepted tok-lookup tok-{name}" title="drafted by {words}">{label}</span>'
+        for name, words, label in (
+            ("ngram", "n-gram lookup, no model", "looked up"),
+            ("suffix", "earlier answers, no model", "remembered"),
+        )
+    )
     hint = "hover a token for its round, ids and source"
     return f'<div class="legend">{items}{lookup}<span class="legend-hint">{hint}</span></div>'
 
@@ -258,8 +271,7 @@ def _drafted_by(algorithm: str) -> str:
     """Which source an algorithm drafts from, in words (nothing for a name this engine does not know)."""
     if algorithm not in NAMES:
         return ""
-    proposes = Algorithm(algorithm).spec.proposes
-    return " (n-gram lookup, no model)" if proposes is Proposal.LOOKUP else " (the drafter model)"
+    return f" ({Algorithm(algorithm).spec.drafts_from})"
 
 
 def fmt(x, spec: str = ".2f", unit: str = "", missing: str = "–") -> str:

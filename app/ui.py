@@ -20,7 +20,7 @@ from types import SimpleNamespace
 import gradio as gr
 import torch
 
-from usd import api, suggest
+from usd import api, suffix, suggest
 from usd.algorithms import PLAIN
 from usd.chat import check_prompt
 from usd.errors import Failed, InternalError
@@ -428,15 +428,33 @@ class Handlers:
         except Exception as e:  # whatever a broken model directory throws: the reason, and the old pair stays
             raise LoadError(f"could not load {t} + {d}: {type(e).__name__}: {e}") from None
 
-    def _events(self, pair, s: GenerationSettings, prompt, messages, chat_mode: bool, cancel) -> Iterator:
-        events = self.stream(pair, prompt, messages=messages, chat_mode=chat_mode, settings=s, cancel=cancel)
+    def scope(self, request: gr.Request | None) -> str | None:
+        """Whose earlier answers the suffix source drafts from (usd/suffix.py): in a Space the visitor's session's
+        (none for a call without one), on a local app the chats', shared."""
+        if not self.pairs.space_mode:
+            return suffix.LOCAL
+        return f"session:{request.session_hash}" if request is not None and request.session_hash else None
+
+    def _events(self, pair, s: GenerationSettings, prompt, messages, chat_mode: bool, cancel, scope) -> Iterator:
+        # a remote backend keeps its own memory, scoped by its key
+        where = {} if self.remote else {"scope": scope}
+        events = self.stream(pair, prompt, messages=messages, chat_mode=chat_mode, settings=s, cancel=cancel, **where)
         # what use of a local pair shows refines `usd suggest` (a remote server's pair is not this machine's)
         return events if self.remote else suggest.recording(pair, events, greedy=s.greedy)
 
     def run(
-        self, s: GenerationSettings, prompt=None, *, messages=None, chat_mode=False, cancel=None, channel=False
+        self,
+        s: GenerationSettings,
+        prompt=None,
+        *,
+        messages=None,
+        chat_mode=False,
+        cancel=None,
+        channel=False,
+        scope: str | None = None,
     ) -> Iterator[render.Live]:
-        """Stream one generation on the loaded pair as a growing `Live`; engine input errors become InputError."""
+        """Stream one generation on the loaded pair as a growing `Live`; engine input errors become InputError.
+        `scope`: the suffix memory it drafts from and joins (`scope`; None: none)."""
         pair, key = self.pairs.current(), self.pairs.key()
         live = render.Live(
             s.algorithm,
@@ -449,7 +467,7 @@ class Handlers:
             if not running:  # stopped while waiting for a slot
                 return
             events = in_background(
-                lambda: self._events(pair, s, prompt, messages, chat_mode, cancel),
+                lambda: self._events(pair, s, prompt, messages, chat_mode, cancel, scope),
                 cancel,
                 pace(pair, channel).live,
             )
@@ -499,7 +517,7 @@ class Handlers:
         chat_s = pace(self.pairs.current(), channel).chat
         views = ChatViews([*history, {"role": "user", "content": prompt}], self.channels, chat_s)
         try:
-            for live in self.run(s, messages=messages, cancel=cancel, channel=channel):
+            for live in self.run(s, messages=messages, cancel=cancel, channel=channel, scope=self.scope(request)):
                 update = views.update(live)
                 if update is not None:
                     yield update
@@ -512,14 +530,17 @@ class Handlers:
 
     # --- compare ---------------------------------------------------------------------------------------------------
 
-    def compare_stream(self, prompt, s: GenerationSettings, channel: bool = False) -> Iterator[tuple]:
-        """Plain decoding, then speculative, same prompt and seed; yields (plain, speculative, summary) states."""
+    def compare_stream(
+        self, prompt, s: GenerationSettings, channel: bool = False, scope: str | None = None
+    ) -> Iterator[tuple]:
+        """Plain decoding, then speculative, same prompt and seed; yields (plain, speculative, summary) states. The
+        plain answer is not remembered: the speculative one must not draft from the answer it is compared with."""
         if not s.greedy and s.seed is None:
             s = s.replace(seed=random.randrange(1 << 31))  # both columns must share it
         plain = spec = None
         for plain in self.run(s.replace(algorithm=PLAIN, draft_tokens="auto"), prompt, chat_mode=True, channel=channel):
             yield plain, None, None
-        for spec in self.run(s, prompt, chat_mode=True, channel=channel):
+        for spec in self.run(s, prompt, chat_mode=True, channel=channel, scope=scope):
             yield plain, spec, None
         greedy = s.greedy
         divergence = self._divergence(prompt, plain, spec, greedy)
@@ -534,14 +555,17 @@ class Handlers:
         return api.divergence(self.pairs.current(), plain.finished.target_ids, first, prompt, chat_mode=True)
 
     @shown_to_user
-    def compare_ui(self, prompt, algorithm, draft_tokens, temperature, top_p, top_k, seed, max_new_tokens):
+    def compare_ui(
+        self, prompt, algorithm, draft_tokens, temperature, top_p, top_k, seed, max_new_tokens, request: gr.Request
+    ):
         prompt, s = self.checked(prompt, knobs_of(locals()))
+        scope = self.scope(request)
         plain_feed, spec_feed = render.LiveFeed(), render.LiveFeed()
         plain_view, spec_view = Streamed(self.channels), Streamed(self.channels)
         spec_label = f"speculative ({s.algorithm})"
         sent = False
         try:
-            for plain, spec, summary in self.compare_stream(prompt, s, channel=self.channels is not None):
+            for plain, spec, summary in self.compare_stream(prompt, s, self.channels is not None, scope):
                 left = column(plain, "plain target", plain_feed)
                 left, left_fresh = plain_view.value(left, plain.finished is not None)
                 if spec is None:  # waiting: its heading says so, once
@@ -576,7 +600,7 @@ class Handlers:
         second (the rounds in between merged). `pieces` is a list of {text, kind, round}; `stats` holds
         acceptance_rate, tokens_per_round, tokens_per_s, wall_s and more. Empty target/drafter: the loaded pair."""
         prompt, s = self.checked(prompt, knobs_of(locals()), target, drafter)
-        for live in self.run(s, prompt, chat_mode=True):
+        for live in self.run(s, prompt, chat_mode=True, scope=self.scope(None)):
             stats = live.numbers()
             if live.finished is not None:  # the engine's own final stats, plus the live-only keys
                 stats.update(live.finished.stats.as_dict())
@@ -601,7 +625,7 @@ class Handlers:
         (identical, plain_s, speculative_s, speedup). It streams so that a cancel stops it within a round (Gradio
         closes a cancelled generator; a plain function would run both halves to the end)."""
         prompt, s = self.checked(prompt, knobs_of(locals()), target, drafter)
-        for plain, spec, summary in self.compare_stream(prompt, s):
+        for plain, spec, summary in self.compare_stream(prompt, s, scope=self.scope(None)):
             yield render.answer_text(plain), render.answer_text(spec) if spec else "", summary or {}
 
     # --- pair ------------------------------------------------------------------------------------------------------

@@ -347,7 +347,7 @@ BAD_INPUTS = [
     pytest.param(
         {"prompt": "Hi", "algorithm": "fast"},
         ValueError,
-        "unknown algorithm 'fast'; choose one of auto, tli, slem, standard, ngram, none",
+        "unknown algorithm 'fast'; choose one of auto, tli, slem, standard, ngram, suffix, none",
         id="unknown-algorithm",
     ),
     pytest.param(

@@ -215,7 +215,7 @@ def _word_tokenizer_model(d, words):
         (["--max-new-tokens", "0"], "usd generate: max new tokens must be a whole number from 1 to 4,096, got 0"),
         (
             ["--algorithm", "fast"],
-            "usd generate: unknown algorithm 'fast'; choose one of auto, tli, slem, standard, ngram, none",
+            "usd generate: unknown algorithm 'fast'; choose one of auto, tli, slem, standard, ngram, suffix, none",
         ),
         # found before loading now too (the decode loop used to find these after it)
         (["--max-new-tokens", "5000"], "usd generate: max new tokens must be a whole number from 1 to 4,096, got 5000"),

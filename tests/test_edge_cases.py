@@ -35,6 +35,7 @@ from tiny_pairs import tiny_config
 from transformers import LlamaForCausalLM
 
 import usd.decoder
+import usd.drafters
 from usd.decoder import stream
 from usd.events import Finished, Round
 from usd.pair import Pair, bytes_of
@@ -132,8 +133,8 @@ def drafts(monkeypatch):
 
         return wrapped
 
-    monkeypatch.setattr(usd.decoder, "draft_tokens", spy(usd.decoder.draft_tokens))
-    monkeypatch.setattr(usd.decoder, "draft_strings", spy(usd.decoder.draft_strings))
+    monkeypatch.setattr(usd.drafters, "draft_tokens", spy(usd.drafters.draft_tokens))
+    monkeypatch.setattr(usd.drafters, "draft_strings", spy(usd.drafters.draft_strings))
     return seen
 
 
@@ -396,8 +397,8 @@ def test_k_zero_is_plain_decoding(tok, monkeypatch, algorithm):
     def no_drafting(*args, **kwargs):
         raise AssertionError("k = 0 drafted")
 
-    monkeypatch.setattr(usd.decoder, "draft_tokens", no_drafting)
-    monkeypatch.setattr(usd.decoder, "draft_strings", no_drafting)
+    monkeypatch.setattr(usd.drafters, "draft_tokens", no_drafting)
+    monkeypatch.setattr(usd.drafters, "draft_strings", no_drafting)
     rounds, done = run(pair, ids, dids, algorithm=algorithm, k=0, max_new_tokens=8, probe_first=True)
     assert all(r.k == 0 and r.drafted == 0 and r.algorithm == "none" for r in rounds)
     assert all(p.kind == "target" for r in rounds for p in r.pieces)

@@ -11,6 +11,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from usd.algorithms import Algorithm
 from usd.record import RoundRecord
 from usd.schedule import K_MAX, K_START, MIN_TRIES, PROBE_BUDGET, PROBE_EVERY, CostModel, Schedule, speedup_bound, tau
 
@@ -23,8 +24,8 @@ def fake_pair(same_tokenizer=False, drafter=True):
 class World:
     """A machine and a pair: the target's forward over n positions costs verify(n) seconds, a drafter step
     `draft[mode]` seconds, and each drafted token is accepted with probability `alpha[mode]`. The n-gram lookup
-    (mode "ngram") finds a continuation in a share `found` of the rounds, runs no model step, and its `draft` is the
-    lookup's time."""
+    (mode "ngram", and any lookup given an alpha) finds a continuation in a share `found` of the rounds, runs no model
+    step, and its `draft` is the lookup's time; a lookup given none never finds anything."""
 
     alpha: dict
     draft: dict
@@ -40,7 +41,9 @@ class World:
 
     def round(self, schedule: Schedule) -> tuple[str, int]:
         self.lookups.append(self.found >= 1 or self.rng.random() < self.found)
-        mode, k = schedule.next(found=self.lookups[-1])
+        found = self.lookups[-1]
+        available = {m for m in schedule.modes if not Algorithm(m).looks_up or (found and m in self.alpha)}
+        mode, k = schedule.next(available)
         setup_s, self.last = (self.setup if mode != "none" and self.last == "none" else 0.0), mode
         if mode == "none":
             schedule.observe(RoundRecord(mode, 0, 0, 0, verify_s=self.verify(1)))
@@ -49,7 +52,7 @@ class World:
         accepted = 0
         while accepted < k and self.rng.random() < self.alpha[mode]:
             accepted += 1
-        steps = 0 if mode == "ngram" else k
+        steps = 0 if Algorithm(mode).looks_up else k
         draft_s, verify_s = (steps or 1) * self.draft[mode], self.verify(k + 1)
         schedule.observe(
             RoundRecord(mode, k, k, accepted, draft_steps=steps, draft_s=draft_s, verify_s=verify_s, setup_s=setup_s)
@@ -348,7 +351,7 @@ def test_where_the_drafter_model_cannot_pay_auto_drafts_by_lookup_at_the_verify_
     the first round (its bound) and runs the lookup where it finds something, at about the k the formula says."""
     pair = costed_pair(0.28, ON_THIS_CPU)
     s = Schedule(pair, "auto", "auto", lookup=True)
-    assert s.modes == ["none", "ngram"] and s.bound is not None
+    assert s.modes == ["none", "ngram", "suffix"] and s.bound is not None
     world = World(**{**CPU, **COPYING}, rng=random.Random(2))
     chosen = world.run(s, 600)
     found_rounds = [mk for mk, found in zip(chosen, world.lookups, strict=True) if found][100:]
@@ -366,8 +369,9 @@ def test_a_lookup_that_is_seldom_right_is_left_for_plain_decoding():
 
 
 def test_a_seeded_auto_weighs_the_lookup_and_a_pair_without_a_drafter_weighs_only_it():
-    assert Schedule(fake_pair(), "auto", "auto", seeded_sampling=True, lookup=True).modes == ["none", "slem", "ngram"]
-    assert Schedule(fake_pair(drafter=False), "auto", "auto", lookup=True).modes == ["none", "ngram"]
+    lookups = ["ngram", "suffix"]
+    assert Schedule(fake_pair(), "auto", "auto", seeded_sampling=True, lookup=True).modes == ["none", "slem", *lookups]
+    assert Schedule(fake_pair(drafter=False), "auto", "auto", lookup=True).modes == ["none", *lookups]
     assert Schedule(fake_pair(drafter=False), "auto", "auto").modes == ["none"]
     # a free draft cannot pay where verifying k + 1 tokens costs k + 1 steps or more: then the lookup is left out too
     assert Schedule(costed_pair(0.28, {1: 2.1, 2: 3.2, 4: 5.5}), "auto", "auto", lookup=True).modes == ["none"]
@@ -494,11 +498,12 @@ def test_each_source_says_why_it_is_off():
     s = Schedule(pair, "auto", "auto", lookup=True)
     world = World(**{**CPU, **COPYING}, rng=random.Random(2))
     world.run(s, 50)
-    mode, _ = s.next(found=False)
-    states = {src.name: src.state for src in s.sources(mode, found=False)}
-    assert states == {"tli": SourceState.CANNOT_PAY, "slem": SourceState.CANNOT_PAY, "ngram": SourceState.NO_MATCH}
-    mode, _ = s.next(found=True)
-    (ngram,) = [src for src in s.sources(mode, found=True) if src.name == "ngram"]
+    mode, _ = s.next(available=())
+    states = {src.name: src.state for src in s.sources(mode, available=())}
+    off = {"tli": SourceState.CANNOT_PAY, "slem": SourceState.CANNOT_PAY}
+    assert states == {**off, "ngram": SourceState.NO_MATCH, "suffix": SourceState.NO_MATCH}
+    mode, _ = s.next(available={"ngram"})
+    (ngram,) = [src for src in s.sources(mode, available={"ngram"}) if src.name == "ngram"]
     assert mode == "ngram" and ngram.state is SourceState.IN_USE and ngram.speedup > 1
 
 

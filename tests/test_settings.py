@@ -32,7 +32,7 @@ def test_defaults():
         DEFAULT_MAX_NEW_TOKENS,
         (),
     )
-    assert ALGORITHMS == ("auto", "tli", "slem", "standard", "ngram", "none")
+    assert ALGORITHMS == ("auto", "tli", "slem", "standard", "ngram", "suffix", "none")
     assert get_args(Precision) == PRECISIONS
 
 
@@ -62,7 +62,10 @@ def test_what_users_send_is_read_as_numbers():
 @pytest.mark.parametrize(
     ("values", "message"),
     [
-        ({"algorithm": "fast"}, "unknown algorithm 'fast'; choose one of auto, tli, slem, standard, ngram, none"),
+        (
+            {"algorithm": "fast"},
+            "unknown algorithm 'fast'; choose one of auto, tli, slem, standard, ngram, suffix, none",
+        ),
         (
             {"draft_tokens": 0},
             "draft tokens must be auto or a whole number from 1 to 16, got 0 (to decode without a "

@@ -363,9 +363,9 @@ def test_first_two_tokens_distributed_as_plain_sampling(case, request):
         assert {"none", "tli", "slem"} <= set(pair.memory["schedule"]["modes"])
 
 
-def test_seeded_auto_mixing_plain_slem_and_ngram_is_distributed_as_plain_sampling(confident_pairs, monkeypatch):
-    """Under a seed auto keeps to plain decoding, slem and ngram (whose answers the seed fixes, however rounds are
-    cut): the real seeded schedule, switching among them in a random order (ngram where its lookup finds something:
+def test_seeded_auto_mixing_plain_slem_and_lookups_is_distributed_as_plain_sampling(confident_pairs, monkeypatch):
+    """Under a seed auto keeps to plain decoding, slem and the lookups (whose answers the seed fixes, however rounds
+    are cut): the real seeded schedule, switching among them in a random order (the lookups where they find something:
     the echoing prompt), with adaptive k."""
     import random
 
@@ -374,7 +374,7 @@ def test_seeded_auto_mixing_plain_slem_and_ngram_is_distributed_as_plain_samplin
 
     def switching(*args, **kwargs):
         schedule = real(*args, **kwargs)
-        assert schedule.modes == ["none", "slem", "ngram"], "a seeded auto mixes plain decoding, slem and ngram only"
+        assert schedule.modes == ["none", "slem", "ngram", "suffix"], "a seeded auto mixes seed-stable modes only"
         schedule._choose = lambda modes: order.choice(modes)
         schedule._fit = lambda mode: schedule.k_for(mode)  # at their own k, whatever the probing budget says
         return schedule
@@ -384,7 +384,7 @@ def test_seeded_auto_mixing_plain_slem_and_ngram_is_distributed_as_plain_samplin
     ids = echoing_prompt(pair)
     joint, sources = exact_joint(pair.target, ids), set()
     counts, alpha = sample_two(pair, "auto", "auto", prompt=both_prompts(pair, ids), sources=sources)
-    assert 0.02 < alpha < 0.98 and sources == {"slem", "ngram"}
+    assert 0.02 < alpha < 0.98 and sources == {"slem", "ngram", "suffix"}
     assert p_value(counts, joint) > ALPHA
 
 
@@ -576,40 +576,73 @@ def echoing_prompt(pair) -> list[int]:
     return ids + out + ids
 
 
+@pytest.mark.parametrize("lookup", ["ngram", "suffix"])
 @pytest.mark.parametrize("prompt", [*PROMPTS, None], ids=[*map(str, range(len(PROMPTS))), "echo"])
-def test_ngram_equals_plain_greedy_without_a_drafter_model(pairs, prompt):
+def test_lookups_equal_plain_greedy_without_a_drafter_model(pairs, prompt, lookup):
     alone = target_alone(pairs["byte-level"])
     ids = echoing_prompt(alone) if prompt is None else alone.target_tokenizer.encode(prompt)
     *_, plain = stream(alone, ids, algorithm="none", max_new_tokens=MAX_NEW)
     for k in (4, "auto"):
-        events = list(stream(alone, ids, algorithm="ngram", k=k, max_new_tokens=MAX_NEW, probe_first=False))
+        events = list(stream(alone, ids, algorithm=lookup, k=k, max_new_tokens=MAX_NEW, probe_first=False))
         rounds, done = events[:-1], events[-1]
-        assert done.target_ids == plain.target_ids and done.text == plain.text, f"ngram k={k} on {prompt!r}"
-        assert all(r.algorithm in ("none", "ngram") for r in rounds)
+        assert done.target_ids == plain.target_ids and done.text == plain.text, f"{lookup} k={k} on {prompt!r}"
+        assert all(r.algorithm in ("none", lookup) for r in rounds)
         assert_pieces_are_the_text(alone, rounds, done)
         if prompt is None:
             assert done.stats.drafted > 0 and done.stats.accepted > 0, "the echo must be looked up and kept"
 
 
-def sample_two_ngram(pair, ids, rule=None, seeds=range(N)) -> tuple[dict, float]:
+def sample_two_ngram(pair, ids, rule=None, seeds=range(N), algorithm="ngram", memory=None) -> tuple[dict, float]:
     counts, drafted, accepted = {}, 0, 0
     for seed in seeds:
         params = SamplingParams(**TOP4, seed=seed)
-        *_, done = stream(pair, ids, algorithm="ngram", k=2, params=params, max_new_tokens=2, probe_first=False)
+        *_, done = stream(
+            pair, ids, algorithm=algorithm, k=2, params=params, max_new_tokens=2, probe_first=False, memory=memory
+        )
         counts[done.target_ids] = counts.get(done.target_ids, 0) + 1
         drafted += done.stats.drafted
         accepted += done.stats.accepted
     return counts, accepted / max(1, drafted)
 
 
-def test_ngram_first_two_tokens_distributed_as_plain_sampling(sampling_pairs):
+@pytest.mark.parametrize("lookup", ["ngram", "suffix"])
+def test_lookups_first_two_tokens_distributed_as_plain_sampling(sampling_pairs, lookup):
     alone = target_alone(sampling_pairs["byte-level"])
     ids = echoing_prompt(alone)
     joint = exact_joint(alone.target, ids)
-    counts, alpha = sample_two_ngram(alone, ids)
+    counts, alpha = sample_two_ngram(alone, ids, algorithm=lookup)
     assert 0.02 < alpha < 0.98, f"acceptance {alpha:.2f}: both the accept and the reject paths must run"
     p = p_value(counts, joint)
-    assert p > ALPHA, f"ngram: p = {p:.1e}, observed {counts}"
+    assert p > ALPHA, f"{lookup}: p = {p:.1e}, observed {counts}"
+
+
+class FrozenScope:
+    """A suffix memory scope that holds given answers and keeps no new ones: every sample drafts from the same."""
+
+    def __init__(self, *answers: list[int]):
+        from usd.suffix import SuffixMemory
+
+        self.scope = SuffixMemory().scope("tiny", "test")
+        for answer in answers:
+            self.scope.remember(answer)
+
+    def occurrences(self, tail):
+        return self.scope.occurrences(tail)
+
+    def remember(self, ids):
+        pass
+
+
+def test_suffix_drafting_from_an_earlier_answer_is_distributed_as_plain_sampling(sampling_pairs):
+    """Drafts from memory, not from the prompt: an earlier answer held PROMPT and the target's greedy two tokens after
+    it, so at PROMPT's end the suffix source proposes those, which the target may or may not draw."""
+    alone = target_alone(sampling_pairs["byte-level"])
+    echo = echoing_prompt(alone)
+    ids = alone.target_tokenizer.encode(PROMPT)
+    counts, alpha = sample_two_ngram(alone, ids, algorithm="suffix", memory=FrozenScope(echo[: len(echo) - len(ids)]))
+    assert 0.02 < alpha < 0.98, f"acceptance {alpha:.2f}: both the accept and the reject paths must run"
+    p = p_value(counts, exact_joint(alone.target, ids))
+    assert p > ALPHA, f"suffix from memory: p = {p:.1e}, observed {counts}"
 
 
 def test_ngram_accepting_its_lookup_unchecked_fails_the_distribution_test(sampling_pairs, monkeypatch):

@@ -19,7 +19,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Literal
 
-from . import chat, costs, decoder, numerics
+from . import chat, costs, decoder, numerics, suffix
 from .catalog import Catalog, Precision, load_catalog
 from .events import Finished, Round
 from .loading import entry_for, load_model
@@ -85,6 +85,7 @@ def stream(
     settings: GenerationSettings | None = None,
     cancel: threading.Event | None = None,
     drafter_rendering: str = "auto",
+    scope: str | None = suffix.LOCAL,
     **options,
 ) -> Iterator[Round | Finished]:
     """Yield a Round per target forward, then a Finished. A raw `prompt` is continued as text; with `chat_mode` it
@@ -92,6 +93,8 @@ def stream(
     How to generate: `settings`, and/or its fields as keywords (algorithm, draft_tokens, temperature, top_p, top_k,
     seed, max_new_tokens, stop_strings), which override it; defaults and ranges are GenerationSettings'.
     Bad input raises ValueError (PromptError for the prompt) before any model work, with what to change.
+    `scope`: whose earlier answers the suffix source may draft from, and where this answer is remembered (this
+    process's `suffix.MEMORY`: a visitor's session in a Space, an API key on a keyed server; None: nowhere).
     It only yields: what a caller wants remembered of the generation (`suggest.recording`, which the app, the CLI
     and the server attach) is the caller's to attach."""
     s = settings or GenerationSettings()
@@ -113,6 +116,7 @@ def stream(
         max_new_tokens=s.max_new_tokens,
         stop_strings=s.stop_strings,
         cancel=cancel,
+        memory=suffix.MEMORY.scope(pair.tokenizer_key, scope) if scope is not None else None,
     )
     for event in events:
         if isinstance(event, Finished) and messages is not None and pair.drafter is not None:

@@ -2,7 +2,8 @@
 
 Each model keeps its own token context and KV cache (a runner's `new_context`: usd/runners); a round feeds only the
 tokens the cache lacks and crops what the target rejected, so a round costs O(new tokens). The committed answer is held
-as target ids; the drafter's context follows the committed *bytes* (its own tokenization of the same text).
+as target ids. What drafts is a `drafting.Source` that the algorithm's row of the table starts: the loop asks it for
+candidates and tells it what was committed, whatever it is.
 docs/design.md walks through the loop, the events and why each algorithm is lossless.
 """
 
@@ -14,17 +15,16 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
-from .algorithms import PLAIN, Acceptance, Algorithm, Proposal, runnable
-from .drafters import Draft, draft_lookup, draft_strings, draft_tokens, sync_drafter
+from .algorithms import PLAIN, Acceptance, Algorithm, runnable
+from .drafters import room_after
+from .drafting import Draft, Randomness, Rules, Source, Start
 from .events import Finished, Piece, Round, Stats
-from .ngram import NgramIndex
-from .pair import Pair, bytes_of, model_context_length
+from .pair import Pair, bytes_of
 from .record import RoundRecord
-from .sampling import DRAFTER_STREAM, SamplingParams, make_generator, position_generator, probabilities
-from .schedule import CATCH_UP_MIN, Schedule
+from .sampling import DRAFTER_STREAM, SamplingParams, make_generator, probabilities
+from .schedule import Schedule
 from .settings import check_algorithm, check_draft_tokens, check_max_new_tokens
 from .tally import Tally
 from .utf8 import piece_decoder
@@ -45,30 +45,6 @@ def resolve_algorithm(pair: Pair, algorithm: str) -> Algorithm:
 
 
 @dataclass(frozen=True)
-class Randomness:
-    """Where a round's random draws come from (sampling.make_generator): the drafter's samples and rejection
-    sampling's uniforms from one stream, the target's own draw at each answer position from that position's."""
-
-    drafter: np.random.Generator
-    base_seed: int
-
-    def at_positions(self, first: int, n: int) -> list:
-        return [position_generator(self.base_seed, first + i) for i in range(n)]
-
-
-@dataclass(frozen=True)
-class Rules:
-    """What stays the same over a generation's rounds: the pair, the sampling settings and where the random draws
-    come from, the ids that end the answer, and the drafter's confidence stop (0: none)."""
-
-    pair: Pair
-    params: SamplingParams
-    rng: Randomness
-    eos: set[int]
-    min_confidence: float
-
-
-@dataclass(frozen=True)
 class Verdict:
     """What a round's verification decided: the first `accepted` candidates stand, then the target's own `token`
     (`resampled` at the first rejection, `bonus` after a fully accepted draft, `target` when nothing was drafted)."""
@@ -76,18 +52,6 @@ class Verdict:
     accepted: int
     token: int
     kind: str
-
-
-def propose(rules: Rules, drafter, mode: Algorithm, k: int, lookup: NgramIndex | None = None) -> Draft:
-    proposes, r = mode.spec.proposes, rules
-    if proposes is Proposal.NOTHING:
-        return Draft()
-    if proposes is Proposal.LOOKUP:
-        assert lookup is not None  # a generation that looks up keeps the index (Generation)
-        return draft_lookup(lookup, k, r.eos)
-    if proposes is Proposal.STRINGS:
-        return draft_strings(r.pair, drafter, k, r.eos, r.min_confidence)
-    return draft_tokens(r.pair, drafter, k, r.params, r.rng.drafter, r.eos, r.min_confidence)
 
 
 def accept(logits: torch.Tensor, draft: Draft, mode: Algorithm, rules: Rules, position: int) -> Verdict:
@@ -111,13 +75,13 @@ class RoundTimes:
 
 
 def speculative_round(
-    rules: Rules, target, drafter, mode: Algorithm, k: int, position: int, target_room: int, lookup=None
+    rules: Rules, target, source: Source | None, mode: Algorithm, k: int, position: int, target_room: int
 ) -> tuple[Draft, Verdict, RoundTimes]:
     """One round, as in the paper: the drafter proposes up to k candidates, the target scores all of them in one
     forward, the acceptance rule keeps a prefix and adds one token of the target's own; the target's cache is cut
-    back to what stands. (Plain decoding: no candidates, so this is one plain target step.)"""
+    back to what stands. (Plain decoding: no source, no candidates, so this is one plain target step.)"""
     t0 = time.perf_counter()
-    draft = propose(rules, drafter, mode, k, lookup).fitted(target_room)
+    draft = (source.propose(k) if source is not None and k else Draft()).fitted(target_room)
     t1 = time.perf_counter()
     n_before = len(target.ids)
     target.ids.extend(draft.candidates)
@@ -211,88 +175,15 @@ def _copied(draft: Draft, j: int) -> int | None:
 # --- the loop --------------------------------------------------------------------------------------------------------
 
 
-def _room(limit: int | None, used: int) -> int:
-    """How many more positions a model of context `limit` can take after `used` (no limit: any k)."""
-    return 1 << 30 if limit is None else limit - used
-
-
 def _prefill(ctx) -> None:
     """Feed the prompt in one forward, as plain tools do: its last position's logits, which choose the first token, are
     kept by the context (`runners.kept.KeptLogits`), so round 0 reads them again without feeding anything again."""
     ctx.forward(keep=1)
 
 
-class DrafterState:
-    """The drafter's context, prefilled at its first draft (a plain-only run never pays for it), and whether it still
-    has room: a drafter with learned positions would crash past its context (IndexError on a CPU, a device assert
-    on CUDA), so when it is full the answer goes on plainly, and `stopped` says why."""
-
-    def __init__(self, pair: Pair, prompt_ids: list[int]):
-        self.pair = pair
-        assert pair.drafter_runner is not None  # a drafter state is made only when the pair has a drafter
-        self.ctx = pair.drafter_runner.new_context(prompt_ids)
-        self.prompt_len = len(prompt_ids)
-        self.limit = pair.drafter_context_length or model_context_length(pair.drafter)
-        self.ready = False
-        self.stopped: str | None = None
-        self.unbilled_s = 0.0
-        """Seconds of catching up (the prefill included) no round has been charged for yet: kept out of the rounds'
-        times, which would bias auto's rates, but counted in what trying the drafter cost."""
-        self.unbilled_tokens = 0
-        """The positions fed in those seconds, where the context knew what its cache held (after its first forward
-        a context knows; before, a cache an earlier answer left may hold part of the prompt)."""
-        self.matched = (0, 0)
-        """(tokens, bytes) of its generated ids known to spell a prefix of the committed text (`sync_drafter`)."""
-
-    def pending(self, answer: Answer) -> int:
-        """Positions it would feed before its next draft step: what was committed while it did not draft (before its
-        first draft, the prompt and the answer so far, in target tokens as the drafter's count is not known yet)."""
-        if not self.ready:
-            return self.prompt_len + len(answer.ids)
-        return len(self.ctx.ids) - self.ctx.cached
-
-    def room(self, answer: Answer) -> int:
-        """How many tokens it may draft now (0 once it is full, for the rest of the answer)."""
-        if self.stopped:
-            return 0
-        if not self.ready:
-            self.follow(answer)
-        room = _room(self.limit, len(self.ctx.ids))
-        if room < 1:
-            self.stopped = (
-                f"the drafter's context ({self.limit:,} tokens) is full: the rest of the answer was "
-                "decoded by the target alone"
-            )
-            return 0
-        self._catch_up()
-        self.ready = True
-        return room
-
-    def _catch_up(self) -> None:
-        """Feed all it lacks but the last position, which its first draft step feeds as any step does."""
-        lacking = len(self.ctx.ids) - self.ctx.cached
-        if lacking <= CATCH_UP_MIN:
-            return
-        t0 = time.perf_counter()
-        last = self.ctx.ids.pop()
-        self.ctx.forward(keep=1)
-        self.ctx.ids.append(last)
-        self.unbilled_s += time.perf_counter() - t0
-        if self.ready:
-            self.unbilled_tokens += lacking - 1
-
-    def bill(self) -> tuple[float, int]:
-        """The unbilled seconds and positions, now charged to a round."""
-        billed = (self.unbilled_s, self.unbilled_tokens)
-        self.unbilled_s, self.unbilled_tokens = 0.0, 0
-        return billed
-
-    def follow(self, answer: Answer) -> None:
-        self.matched = sync_drafter(self.pair, self.ctx, self.prompt_len, answer.ids, answer.committed, self.matched)
-
-
 class Generation:
-    """One answer in progress: the models' contexts, the schedule, the random streams, the counts and the answer."""
+    """One answer in progress: the target's context, the sources that draft for it, the schedule, the random
+    streams, the counts and the answer."""
 
     def __init__(
         self,
@@ -305,28 +196,27 @@ class Generation:
         max_new_tokens: int,
         stop_strings: tuple[str, ...],
         probe_first: bool,
+        memory=None,
     ):
+        """`memory`: where the suffix source looks up earlier answers (`suffix.Scope`; None: the conversation only)."""
         algorithm = Algorithm(algorithm)  # a name given: its member (an unknown one fails here, loudly)
         self.pair = pair
         # With a seed, auto only uses modes whose answer the seed fixes (plain and slem, see position_generator), so
         # "same seed, same text" holds for regenerate, for --samples, and between the compare view's two columns.
         seeded = not params.greedy and params.seed is not None
-        looks_up = algorithm.chooses or algorithm.spec.proposes is Proposal.LOOKUP
-        self.schedule = Schedule(
-            pair, algorithm, k, probe_first, seeded_sampling=seeded, lookup=looks_up, answer_tokens=max_new_tokens
+        self.schedule = Schedule(  # auto weighs the lookups too: they need nothing loaded
+            pair, algorithm, k, probe_first, seeded_sampling=seeded, lookup=True, answer_tokens=max_new_tokens
         )
         base_seed = params.seed if params.seed is not None else secrets.randbits(63)
         rng = Randomness(make_generator(params.seed, DRAFTER_STREAM), base_seed)
         self.tally = Tally(algorithm, self.schedule.model.step_at_load)
         self.target = pair.target_runner.new_context(prompt_ids)
         self.prompt_len = len(prompt_ids)
-        self.lookup = NgramIndex(prompt_ids) if looks_up else None
-        """The committed target ids, indexed for n-gram lookup (ngram, and auto)."""
-        self.drafter = None
-        if algorithm.uses_drafter and pair.drafter is not None:
-            self.drafter = DrafterState(pair, drafter_prompt_ids if drafter_prompt_ids is not None else prompt_ids)
         self.answer = Answer(pair, max_new_tokens, stop_strings)
         self.rules = Rules(pair, params, rng, self.answer.eos, self.schedule.min_confidence)
+        self.start = Start(self.rules, list(prompt_ids), drafter_prompt_ids, self.answer, memory)
+        self.sources: dict[Algorithm, Source] = {m: m.start(self.start) for m in self.schedule.weighed if not m.plain}
+        """Each mode's source of drafts for this answer (the drafter model's modes share its state)."""
         _prefill(self.target)
 
     def finish(self) -> None:
@@ -337,41 +227,37 @@ class Generation:
         self.target.truncate(self.prompt_len + max(0, emitted - 1))
 
     def stats(self) -> Stats:
-        drafter = self.drafter
-        forward_s = self.target.forward_s + (drafter.ctx.forward_s if drafter is not None else 0.0)
-        stopped = drafter.stopped if drafter is not None else None
+        accounts = self.start.accounts
+        forward_s = self.target.forward_s + sum(a.forward_s for a in accounts)
+        stopped = next((a.stopped for a in accounts if a.stopped), None)
         return self.tally.stats(len(self.answer.ids), self.answer.stop_reason, forward_s, stopped)
 
-    def plan(self) -> tuple[Algorithm, int, int, bool]:
-        """(mode, k, the target's room, whether a lookup finds a continuation) for the next round: the schedule's
-        choice, fitted to both contexts."""
-        found = self.lookup is not None and self.lookup.lookup(1) is not None
-        pending = self.drafter.pending(self.answer) if self.drafter is not None else 0
-        mode, k = self.schedule.next(found, pending=pending, context=len(self.target.ids))
-        target_room = _room(self.pair.context_length, len(self.target.ids))  # the verify positions must fit too
-        if mode.needs_drafter:
-            assert self.drafter is not None  # the schedule drafts with the model only when the algorithm does
-            k = min(k, self.drafter.room(self.answer))
-        k = min(k, target_room)
+    def plan(self) -> tuple[Algorithm, int, int, frozenset[Algorithm]]:
+        """(mode, k, the target's room, the modes whose source can propose now) for the next round: the schedule's
+        choice among those, fitted to the source's room and the target's."""
+        available = frozenset(m for m, source in self.sources.items() if source.available())
+        pending = max((source.pending() for source in self.sources.values()), default=0)
+        mode, k = self.schedule.next(available, pending=pending, context=len(self.target.ids))
+        target_room = room_after(self.pair.context_length, len(self.target.ids))  # the verify positions must fit too
+        if not mode.plain:
+            k = min(k, self.sources[mode].room(), target_room)
         if k < 1:
             mode, k = PLAIN, 0
-        return mode, k, target_room, found
+        return mode, k, target_room, available
 
     def step(self) -> Round:
         """Run one round, commit what it emitted, and learn from it."""
-        mode, k, target_room, found = self.plan()
+        mode, k, target_room, available = self.plan()
         expected = self.schedule.expected_speedup if not mode.plain else None
         t0 = time.perf_counter()
-        drafter_ctx = self.drafter.ctx if self.drafter is not None else None
+        source = self.sources.get(mode)
         draft, verdict, times = speculative_round(
-            self.rules, self.target, drafter_ctx, mode, k, len(self.answer.ids), target_room, self.lookup
+            self.rules, self.target, source, mode, k, len(self.answer.ids), target_room
         )
         committed = len(self.answer.ids)
         pieces = self.answer.commit(draft, verdict, self.tally.rounds, mode.value if draft.candidates else "")
-        if self.lookup is not None:
-            self.lookup.extend(self.answer.ids[committed:])
-        if self.drafter is not None and self.drafter.ready and self.answer.stop_reason is None:
-            self.drafter.follow(self.answer)
+        for each in self.sources.values():
+            each.commit(self.answer.ids[committed:])
         record = self._record(mode, k, draft, verdict, times, time.perf_counter() - t0)
         self.tally.record(record)
         self.schedule.observe(record)
@@ -383,12 +269,12 @@ class Generation:
             expected_speedup=expected,
             declined=self.schedule.declined if mode.plain else None,
             bound=self.schedule.bound if mode.plain else None,
-            sources=self.schedule.sources(mode, found) if self.schedule.algorithm.chooses else (),
+            sources=self.schedule.sources(mode, available) if self.schedule.algorithm.chooses else (),
         )
 
     def _record(self, mode, k, draft: Draft, verdict: Verdict, times: RoundTimes, round_s: float) -> RoundRecord:
         context = len(self.target.ids) - 1 - verdict.accepted  # before the round: it committed its emitted tokens
-        setup_s, setup_tokens = self.drafter.bill() if self.drafter is not None else (0.0, 0)
+        billed = [a.bill() for a in self.start.accounts]
         return RoundRecord(
             algorithm=mode,
             k=k,
@@ -401,8 +287,8 @@ class Generation:
             # the target's forward fed the drafts and the token the last round added; round 0 has none (the
             # prompt's last position came with the prompt)
             fed=len(draft.candidates) + (self.tally.rounds > 0),
-            setup_s=setup_s,
-            setup_tokens=setup_tokens,
+            setup_s=sum(s for s, _ in billed),
+            setup_tokens=sum(n for _, n in billed),
             context=context,
         )
 
@@ -419,6 +305,7 @@ def stream(
     stop_strings: tuple[str, ...] = (),
     cancel: threading.Event | None = None,
     probe_first: bool = True,
+    memory=None,
 ) -> Iterator[Round | Finished]:
     """Decode from the target with the drafter's help; yield a Round per target forward and a Finished at the end.
 
@@ -427,6 +314,8 @@ def stream(
     `k` is the draft length (0: plain decoding), or "auto" to adapt it per round. With `probe_first` the rounds are
     plain target steps until one has measured the single-step time behind c and v: round 0 reads the logits the prompt
     left (nothing to time), round 1 feeds a token.
+    `memory`: the scope of this process's earlier answers (`suffix.Scope`) that the suffix source drafts from; the
+    answer joins it when the generation ends, whatever algorithm ran (None: nothing is remembered or looked up).
     """
     params = params or SamplingParams()
     algo = resolve_algorithm(pair, algorithm)
@@ -436,7 +325,9 @@ def stream(
     if not prompt_ids:
         raise ValueError("the prompt is empty")
     check_max_new_tokens(max_new_tokens)
-    gen = Generation(pair, prompt_ids, drafter_prompt_ids, algo, k, params, max_new_tokens, stop_strings, probe_first)
+    gen = Generation(
+        pair, prompt_ids, drafter_prompt_ids, algo, k, params, max_new_tokens, stop_strings, probe_first, memory
+    )
     try:
         while gen.answer.stop_reason is None:
             if cancel is not None and cancel.is_set():
@@ -445,5 +336,7 @@ def stream(
             yield gen.step()
     finally:  # also when the consumer stops early (a client gone): the context is left as plain decoding leaves it
         gen.finish()
+        if memory is not None:
+            memory.remember(gen.answer.ids)
     text = pair.target_tokenizer.decode(gen.answer.ids, skip_special_tokens=False)
     yield Finished(text=text, target_ids=tuple(gen.answer.ids), stats=gen.stats())

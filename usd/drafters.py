@@ -1,5 +1,6 @@
-"""Drafting: propose candidates in the target's token space, one function per way of drafting; and keeping the
-drafter's context in step with the committed answer.
+"""Drafting with the drafter model: tli and standard sample its tokens in the shared vocabulary, slem has it write
+text that the target re-tokenizes (one `ModelSource` each, sharing the model's `DrafterState`); and keeping its
+context in step with the committed answer.
 
 Any stopping rule that looks only at the drafter (its confidence, a drafted end-of-sequence) keeps the output
 lossless: whether position i+1 is drafted depends only on what came before it, and either way the target's token
@@ -8,36 +9,22 @@ there is distributed as p (rejection sampling or exact match when drafted, the b
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import time
 
 import torch
 
-from .ngram import NgramIndex
-from .pair import Pair, bytes_of
+from .drafting import Draft, Rules, Start
+from .pair import Pair, bytes_of, model_context_length
 from .runners import DecodingContext
 from .sampling import SamplingParams, probabilities, sample
 from .utf8 import inside_character, split_utf8, valid_prefix
 
+__all__ = ["Draft", "DrafterState", "ModelSource", "draft_strings", "draft_tokens", "strings", "sync_drafter", "tokens"]
 
-@dataclass
-class Draft:
-    candidates: list[int] = field(default_factory=list)
-    """Proposed target ids."""
-    q: list[torch.Tensor] = field(default_factory=list)
-    """Per candidate, the distribution it was drawn from over target ids (empty when greedy or for SLEM)."""
-    drafter_ids: list[tuple[int, ...]] = field(default_factory=list)
-    """Per candidate, the drafter ids behind it (empty for SLEM, whose candidates come from re-tokenized text)."""
-    steps: int = 0
-    """Drafter forwards spent."""
-    copied_from: int | None = None
-    """A lookup's draft: the position its first candidate was copied from (the others follow it)."""
-
-    def fitted(self, room: int) -> Draft:
-        """At most `room` candidates: slem's re-tokenized text can hold more target tokens than the drafter wrote,
-        and the target must not be fed past its context."""
-        if len(self.candidates) <= room:
-            return self
-        return Draft(self.candidates[:room], self.q[:room], self.drafter_ids[:room], self.steps, self.copied_from)
+CATCH_UP_MIN = 4
+"""Positions the drafter may lack before a draft and still feed with its first draft step; more (its prompt at its
+first draft, what was committed while auto decoded plainly) it feeds in a forward of their own first, timed as
+catching up (`DrafterState`): a draft step then costs one position, and catching up is priced by its length."""
 
 
 def _confidence(logits: torch.Tensor) -> float:
@@ -76,18 +63,6 @@ def target_proposal(q_shared: torch.Tensor, t_ids: torch.Tensor, vocab_t: int) -
     several drafter ids may spell one target token (a piece and its byte-fallback spelling), and their mass adds up.
     Taking one spelling's alone would bias the output (docs/design.md §5, tli)."""
     return torch.zeros(vocab_t).index_add_(0, t_ids, q_shared)
-
-
-def draft_lookup(index: NgramIndex, k: int, eos: set[int]) -> Draft:
-    """ngram: up to k ids that followed the latest earlier occurrence of the answer's last few (usd/ngram.py), cut
-    after an end of sequence (nothing is drafted past the end). No model runs, so no drafter ids and no steps; the
-    proposal is deterministic, q one-hot, so exact match verifies it."""
-    found = index.lookup(k)
-    if found is None:
-        return Draft()
-    end = next((i + 1 for i, t in enumerate(found.candidates) if t in eos), len(found.candidates))
-    candidates = found.candidates[:end]
-    return Draft(candidates, [], [() for _ in candidates], 0, found.source)
 
 
 def draft_strings(pair: Pair, drafter: DecodingContext, k: int, eos: set[int], min_confidence: float = 0.0) -> Draft:
@@ -181,3 +156,137 @@ def encode_bytes(pair: Pair, data: bytes) -> list[int]:
                 else tokenizer.encode("\ufffd", add_special_tokens=False)
             )
     return ids
+
+
+def room_after(limit: int | None, used: int) -> int:
+    """How many more positions a model of context `limit` can take after `used` (no limit: any k)."""
+    return 1 << 30 if limit is None else limit - used
+
+
+class DrafterState:
+    """The drafter's context, prefilled at its first draft (a plain-only run never pays for it), and whether it still
+    has room: a drafter with learned positions would crash past its context (IndexError on a CPU, a device assert
+    on CUDA), so when it is full the answer goes on plainly, and `stopped` says why. The model's sources of one answer
+    share it (`ModelSource`)."""
+
+    def __init__(self, pair: Pair, prompt_ids: list[int]):
+        self.pair = pair
+        assert pair.drafter_runner is not None  # a drafter state is made only when the pair has a drafter
+        self.ctx = pair.drafter_runner.new_context(prompt_ids)
+        self.prompt_len = len(prompt_ids)
+        self.limit = pair.drafter_context_length or model_context_length(pair.drafter)
+        self.ready = False
+        self.stopped: str | None = None
+        self.unbilled_s = 0.0
+        """Seconds of catching up (the prefill included) no round has been charged for yet: kept out of the rounds'
+        times, which would bias auto's rates, but counted in what trying the drafter cost."""
+        self.unbilled_tokens = 0
+        """The positions fed in those seconds, where the context knew what its cache held (after its first forward
+        a context knows; before, a cache an earlier answer left may hold part of the prompt)."""
+        self.matched = (0, 0)
+        """(tokens, bytes) of its generated ids known to spell a prefix of the committed text (`sync_drafter`)."""
+        self.followed = -1
+        """The answer's length when its context last followed it: its sources each commit a round, it follows once."""
+
+    @property
+    def forward_s(self) -> float:
+        return self.ctx.forward_s
+
+    def pending(self, answer) -> int:
+        """Positions it would feed before its next draft step: what was committed while it did not draft (before its
+        first draft, the prompt and the answer so far, in target tokens as the drafter's count is not known yet)."""
+        if not self.ready:
+            return self.prompt_len + len(answer.ids)
+        return len(self.ctx.ids) - self.ctx.cached
+
+    def room(self, answer) -> int:
+        """How many tokens it may draft now (0 once it is full, for the rest of the answer)."""
+        if self.stopped:
+            return 0
+        if not self.ready:
+            self.follow(answer)
+        room = room_after(self.limit, len(self.ctx.ids))
+        if room < 1:
+            self.stopped = (
+                f"the drafter's context ({self.limit:,} tokens) is full: the rest of the answer was "
+                "decoded by the target alone"
+            )
+            return 0
+        self._catch_up()
+        self.ready = True
+        return room
+
+    def _catch_up(self) -> None:
+        """Feed all it lacks but the last position, which its first draft step feeds as any step does."""
+        lacking = len(self.ctx.ids) - self.ctx.cached
+        if lacking <= CATCH_UP_MIN:
+            return
+        t0 = time.perf_counter()
+        last = self.ctx.ids.pop()
+        self.ctx.forward(keep=1)
+        self.ctx.ids.append(last)
+        self.unbilled_s += time.perf_counter() - t0
+        if self.ready:
+            self.unbilled_tokens += lacking - 1
+
+    def bill(self) -> tuple[float, int]:
+        """The unbilled seconds and positions, now charged to a round."""
+        billed = (self.unbilled_s, self.unbilled_tokens)
+        self.unbilled_s, self.unbilled_tokens = 0.0, 0
+        return billed
+
+    def follow(self, answer) -> None:
+        if self.followed == len(answer.ids):
+            return
+        self.matched = sync_drafter(self.pair, self.ctx, self.prompt_len, answer.ids, answer.committed, self.matched)
+        self.followed = len(answer.ids)
+
+    def commit(self, answer) -> None:
+        """Follow the committed answer, once the drafter has drafted (before, its first draft follows it whole)."""
+        if self.ready and answer.stop_reason is None:
+            self.follow(answer)
+
+
+class ModelSource:
+    """tli and standard (`tokens`) or slem (`strings`): the drafter model drafts; the sources of one answer share its
+    state, kept in the start's `shared` and counted once in its `accounts`."""
+
+    def __init__(self, start: Start, strings: bool):
+        self.rules: Rules = start.rules
+        self.answer = start.answer
+        self.strings = strings
+        state = start.shared.get(DrafterState)
+        if state is None:
+            pair = start.rules.pair
+            prompt = start.drafter_prompt_ids if start.drafter_prompt_ids is not None else start.prompt_ids
+            state = start.shared[DrafterState] = DrafterState(pair, prompt)
+            start.accounts.append(state)
+        self.state: DrafterState = state
+
+    def available(self) -> bool:
+        return self.state.stopped is None
+
+    def room(self) -> int:
+        return self.state.room(self.answer)
+
+    def pending(self) -> int:
+        return self.state.pending(self.answer)
+
+    def propose(self, k: int) -> Draft:
+        r, ctx = self.rules, self.state.ctx
+        if self.strings:
+            return draft_strings(r.pair, ctx, k, r.eos, r.min_confidence)
+        return draft_tokens(r.pair, ctx, k, r.params, r.rng.drafter, r.eos, r.min_confidence)
+
+    def commit(self, emitted: list[int]) -> None:
+        self.state.commit(self.answer)
+
+
+def tokens(start: Start) -> ModelSource:
+    """tli's and standard's source: the drafter's own tokens, sampled in the vocabulary it shares with the target."""
+    return ModelSource(start, strings=False)
+
+
+def strings(start: Start) -> ModelSource:
+    """slem's source: the drafter's text, re-tokenized by the target."""
+    return ModelSource(start, strings=True)

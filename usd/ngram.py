@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .drafting import Draft, Start, cut_after_eos
+
 N_MAX = 8
 """The longest n-gram looked up: a longer match is more likely to continue the same way."""
 N_MIN = 3
@@ -59,3 +61,32 @@ class NgramIndex:
             if start is not None:
                 return Lookup(self.ids[start : start + k], start, n)
         return None
+
+
+class NgramSource:
+    """ngram's source: up to k ids that followed the latest earlier occurrence of the context's last few, cut after an
+    end of sequence. No model runs, so no drafter ids and no steps; the proposal is deterministic, q one-hot, so exact
+    match verifies it."""
+
+    def __init__(self, start: Start):
+        self.index = NgramIndex(start.prompt_ids)
+        self.eos = start.rules.eos
+
+    def available(self) -> bool:
+        return self.index.lookup(1) is not None
+
+    def room(self) -> int:
+        return 1 << 30
+
+    def pending(self) -> int:
+        return 0
+
+    def propose(self, k: int) -> Draft:
+        found = self.index.lookup(k)
+        if found is None:
+            return Draft()
+        candidates = cut_after_eos(found.candidates, self.eos)
+        return Draft(candidates, [], [() for _ in candidates], 0, found.source)
+
+    def commit(self, emitted: list[int]) -> None:
+        self.index.extend(emitted)

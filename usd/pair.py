@@ -80,6 +80,15 @@ class Pair:
         return self._cache["tb"]
 
     @property
+    def tokenizer_key(self) -> str:
+        """A fingerprint of the target's vocabulary: what its remembered answers are kept under (usd/suffix.py)."""
+        if "tokenizer_key" not in self._cache:
+            from .suffix import tokenizer_key
+
+            self._cache["tokenizer_key"] = tokenizer_key(self.target_bytes)
+        return self._cache["tokenizer_key"]
+
+    @property
     def drafter_bytes(self) -> TokenizerBytes:
         if "db" not in self._cache:
             self._cache["db"] = tokenizer_bytes(self.drafter_tokenizer)

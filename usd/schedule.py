@@ -30,9 +30,11 @@ lossless: every round emits tokens distributed as the target's, whatever it was 
 from __future__ import annotations
 
 import math
+from collections.abc import Collection
 
 from . import settings
-from .algorithms import NAMES, PLAIN, Algorithm, Proposal, auto_modes
+from .algorithms import NAMES, PLAIN, Algorithm, auto_modes
+from .drafters import CATCH_UP_MIN
 from .events import Bound, Source, SourceState
 from .record import RoundRecord
 from .tally import MIN_PLAIN_STEPS, reference_step
@@ -66,10 +68,6 @@ runs only while its worst case, added to what speculative rounds lost in this an
 DEFAULT_ANSWER_TOKENS = 128
 """The answer length the probing budget assumes before the pair has given any answer (then: the typical length of
 its answers so far, never more than the max new tokens asked for)."""
-CATCH_UP_MIN = 4
-"""Positions the drafter may lack before a draft and still feed with its first draft step; more (its prompt at its
-first draft, what was committed while auto decoded plainly) it feeds in a forward of their own first, timed as
-catching up (decoder.DrafterState): a draft step then costs one position, and catching up is priced by its length."""
 LENGTH_BUCKET = 512
 """Cache lengths whose costs are kept apart: under 512 positions, then each doubling (`length_bucket`)."""
 DECAY = 0.85
@@ -96,7 +94,7 @@ def tested_positions(accepted: int, drafted: int) -> int:
 
 def k_max_of(mode: Algorithm) -> int:
     """The longest draft of a mode."""
-    return K_MAX_LOOKUP if mode.spec.proposes is Proposal.LOOKUP else K_MAX
+    return K_MAX_LOOKUP if mode.looks_up else K_MAX
 
 
 def speedup_bound(c: float, v: dict[int, float], ceiling: float = 1.0, k_max: int = K_MAX) -> tuple[int, float]:
@@ -498,7 +496,7 @@ class Schedule:
         c, v, measured = self._costs_now(costs)
         free = speedup_bound(0.0, v, k_max=K_MAX_LOOKUP)[1]
         if free < 1:
-            self._leave_out([m for m in self.modes if m.spec.proposes is Proposal.LOOKUP], free)
+            self._leave_out([m for m in self.modes if m.looks_up], free)
         k, speedup = speedup_bound(c, v)
         if speedup < 1:
             self._leave_out([m for m in self.modes if m.needs_drafter], speedup)
@@ -522,7 +520,7 @@ class Schedule:
         if not costs:
             return {}
         c, v, _ = self._costs_now(costs)
-        c_of = {m: 0.0 if m.spec.proposes is Proposal.LOOKUP else c for m in self.modes if not m.plain}
+        c_of = {m: 0.0 if m.looks_up else c for m in self.modes if not m.plain}
         return {m: speedup_bound(c_m, v, k_max=k_max_of(m))[0] for m, c_m in c_of.items()}
 
     def k_for(self, mode: Algorithm) -> int:
@@ -539,14 +537,17 @@ class Schedule:
         rate = self.model.rate(mode, self.k_for(mode))
         return 1.0 / rate if rate else float("inf")
 
-    def next(self, found: bool = True, pending: int = 0, context: int = 0) -> tuple[Algorithm, int]:
-        """(algorithm, k) for the coming round; (PLAIN, 0) is a plain target step. `found`: whether a lookup finds a
-        continuation of the committed ids now; where it finds none the lookup is not a candidate this round (a fixed
-        ngram decodes plainly). `pending`: the positions the drafter lacks (what it would catch up on first);
-        `context`: the target's cache length. Deciding from the committed ids alone keeps the round lossless."""
+    def next(
+        self, available: Collection[Algorithm] | None = None, pending: int = 0, context: int = 0
+    ) -> tuple[Algorithm, int]:
+        """(algorithm, k) for the coming round; (PLAIN, 0) is a plain target step. `available`: the modes whose source
+        can propose now (None: all); the others are not candidates this round (a lookup that finds nothing to
+        continue: a fixed ngram decodes plainly). `pending`: the positions the drafter lacks (what it would catch up
+        on first); `context`: the target's cache length. Deciding from the committed ids alone keeps the round
+        lossless."""
         self.model.at(context)
         self.pending = pending
-        modes = [m for m in self.modes if found or m.spec.proposes is not Proposal.LOOKUP]
+        modes = [m for m in self.modes if m.plain or available is None or m in available]
         if (self.probe_first and not self.probed) or not modes:
             mode = PLAIN
         else:
@@ -659,9 +660,9 @@ class Schedule:
         cell = self.realised.get(mode)
         return cell[1] / cell[0] if cell and cell[0] > 0 else None
 
-    def sources(self, chosen: Algorithm, found: bool) -> tuple[Source, ...]:
+    def sources(self, chosen: Algorithm, available: Collection[Algorithm]) -> tuple[Source, ...]:
         """Each source auto weighs, after it chose `chosen` for a round: which one runs, and why each other is off."""
-        return tuple(self._source(m, chosen, found) for m in self.weighed if not m.plain)
+        return tuple(self._source(m, chosen, m in available) for m in self.weighed if not m.plain)
 
     def _source(self, m: Algorithm, chosen: Algorithm, found: bool) -> Source:
         realised, expected = self.realised_speedup(m), self.model.expected_speedup(m, self.k_for(m))
@@ -671,7 +672,7 @@ class Schedule:
             return Source(m, SourceState.CANNOT_PAY, self.left_out[m])
         if m in self.dropped:
             return Source(m, SourceState.DROPPED, realised)
-        if m.spec.proposes is Proposal.LOOKUP and not found:
+        if not found:
             return Source(m, SourceState.NO_MATCH, expected)
         if self._fit(m) == 0:
             return Source(m, SourceState.BUDGET, expected)

@@ -28,6 +28,7 @@ from ..datasets import Prompt, load_prompts
 from ..events import Finished
 from ..pair import Pair
 from ..sampling import SamplingParams
+from ..suffix import SuffixMemory
 from .plots import plot
 from .report import REFERENCES, label, pair_plot_path, table
 
@@ -84,13 +85,22 @@ def _ids(pair: Pair, prompt: Prompt) -> tuple[list[int], list[int] | None]:
 
 
 def run_ours(
-    pair: Pair, prompt: Prompt, algorithm: str, k, params: SamplingParams, max_new_tokens: int, record: bool = True
+    pair: Pair,
+    prompt: Prompt,
+    algorithm: str,
+    k,
+    params: SamplingParams,
+    max_new_tokens: int,
+    record: bool = True,
+    memory=None,
 ) -> Run:
     """One generation through the engine. With `record`, its acceptance refines what `usd suggest` remembers of the
-    pair, as a chat's does (`suggest.recording`)."""
+    pair, as a chat's does (`suggest.recording`). `memory`: the suffix memory scope it drafts from and joins."""
     t_ids, d_ids = _ids(pair, prompt)
     done: Finished | None = None
-    events = decoder.stream(pair, t_ids, d_ids, algorithm=algorithm, k=k, params=params, max_new_tokens=max_new_tokens)
+    events = decoder.stream(
+        pair, t_ids, d_ids, algorithm=algorithm, k=k, params=params, max_new_tokens=max_new_tokens, memory=memory
+    )
     if record:
         events = suggest.recording(pair, events, greedy=params.greedy)
     for event in events:
@@ -348,6 +358,8 @@ def bench(
             raise ValueError(hf_needs_transformers(on_llamacpp))
     hf_drafter = copy.deepcopy(pair.drafter) if "hf" in algorithms else None
     llm = reference_llama(pair) if "llamacpp" in algorithms else None
+    # each variant remembers its own answers, prompt after prompt, as a server of its own would (the warm-up nothing)
+    memory = SuffixMemory()
 
     def one(prompt, variant, n, seed, record=True):
         a, kk = variant
@@ -357,7 +369,8 @@ def bench(
             return run_hf(pair, hf_drafter, prompt, p, n)
         if a == "llamacpp":
             return run_llamacpp(pair, llm, prompt, p, n)
-        return run_ours(pair, prompt, a, kk, p, n, record)
+        scope = memory.scope(pair.tokenizer_key, label(a, kk)) if record else None
+        return run_ours(pair, prompt, a, kk, p, n, record, scope)
 
     log(f"warm-up: every algorithm once on {prompts[0].id}, 8 tokens")
     first: dict[str, tuple[str, int | str | None]] = {}

@@ -71,7 +71,8 @@ class Job:
             self.prompt_tokens = api.count_prompt(
                 pair, self.settings, self.inputs.get("prompt"), self.inputs.get("messages")
             )
-        events = api.stream(pair, **self.inputs, settings=self.settings, cancel=self.cancel)
+        scope = self.service.memory_scope
+        events = api.stream(pair, **self.inputs, settings=self.settings, cancel=self.cancel, scope=scope)
         for event in suggest.recording(pair, events, greedy=self.settings.greedy):
             self._put(event)
 

@@ -37,12 +37,36 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--device", choices=["cpu", "cuda"], help="default: cuda when present")
     p.add_argument("--precision", choices=PRECISIONS, help="override the catalog's precision for both models")
+    add_memory_argument(p)
+
+
+def memory_size(value: str) -> int:
+    """--suffix-memory's value in bytes, or a clear error at start."""
+    from usd.suffix import parse_size
+
+    try:
+        return parse_size(value)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def add_memory_argument(p: argparse.ArgumentParser) -> None:
+    from usd.suffix import DEFAULT_BOUND
+
+    p.add_argument(
+        "--suffix-memory",
+        type=memory_size,
+        default=DEFAULT_BOUND,
+        metavar="SIZE",
+        help="bytes of earlier answers the suffix drafter keeps, per API key when keyed "
+        f"(default {DEFAULT_BOUND >> 20}MiB; 0: none)",
+    )
 
 
 def run_cli(args, catalog) -> int:
     import uvicorn
 
-    from usd import api
+    from usd import api, suffix
 
     from .routes import create_app
     from .service import FixedPair
@@ -57,6 +81,7 @@ def run_cli(args, catalog) -> int:
             f"usd serve: warning: listening on {args.host} without an API key; anyone who can reach it can use it "
             f"(set --api-key or ${API_KEY_ENV})"
         )
+    suffix.MEMORY.resize(args.suffix_memory)
     pair = api.load_pair(
         args.target, drafter_arg(args.drafter), catalog=catalog, device=args.device, precision=args.precision, log=log
     )

@@ -3,9 +3,11 @@ the key; `FixedPair` is usd serve's. The routes (routes.py) and each request's j
 
 from __future__ import annotations
 
+import hashlib
 import time
 from collections.abc import Callable
 
+from usd import suffix
 from usd.pair import Pair
 
 from . import protocol as p
@@ -21,6 +23,14 @@ class Service:
         self.api_key = api_key or None
         self.wrap = wrap
         self.started = int(time.time())
+
+    @property
+    def memory_scope(self) -> str | None:
+        """Whose earlier answers a request's suffix drafts come from, and where its answer is remembered: on a keyed
+        server the key's (by a digest: the key itself is kept nowhere else), on an unkeyed one the local scope."""
+        if self.api_key is None:
+            return suffix.LOCAL
+        return "key:" + hashlib.sha256(self.api_key.encode()).hexdigest()[:16]
 
     def models(self) -> list[dict]:
         raise NotImplementedError
