@@ -19,6 +19,7 @@ import test_decoder_distribution
 import torch
 
 from usd import api
+from usd.datasets import recall_prompts
 from usd.decoder import stream
 from usd.loading import LoadError, load_model
 from usd.pair import Pair, model_vocab_size
@@ -212,7 +213,7 @@ def test_the_default_pair_in_a_chat_asking_for_its_answer_again_equals_plain_gre
         return answers, mean_k
 
     plain, _ = conversation("none", "auto")
-    for algorithm, k in (("ngram", 16), ("auto", "auto"), ("tli", 8)):
+    for algorithm, k in (("ngram", 16), ("suffix", 16), ("auto", "auto"), ("tli", 8)):
         answers, mean_k = conversation(algorithm, k)
         assert answers == plain, f"{algorithm}: a turn differs from plain decoding's"
         if algorithm == "ngram":
@@ -252,6 +253,26 @@ N = 400
 K = 2
 """Two drafts decide both tokens the test counts (a third would be verified and then cut off), at a fifth less time
 a generation than three."""
+
+
+@pytest.mark.real_models
+@needs_llama
+def test_the_default_pair_asked_again_in_new_conversations_drafts_from_memory_and_equals_plain(catalog, real_paths):
+    """A session of three requests, each a new conversation asking for the first answer again with a change
+    (the recall set): suffix drafts the later answers from the earlier ones, and each is plain decoding's."""
+    import usd
+    from usd.suffix import SuffixMemory
+
+    pair = usd.load_pair(catalog=catalog, device="cpu", log=lambda m: None)
+    session = [list(p.messages or ()) for p in recall_prompts() if p.id.startswith("binary-")]
+    scope = SuffixMemory().scope(pair.tokenizer_key, "test")
+    for i, messages in enumerate(session):
+        plain = api.generate(pair, messages=messages, algorithm="none", max_new_tokens=64, scope=None)
+        t_ids, _ = usd.chat.prompt_ids(pair, None, messages, "own")
+        *_, done = stream(pair, t_ids, algorithm="suffix", k=16, max_new_tokens=64, memory=scope)
+        assert done.target_ids == plain.target_ids, f"request {i + 1} differs from plain decoding's"
+        if i:
+            assert done.stats.accepted_by_algorithm.get("suffix", 0) > 16, "the earlier answers should be drafted"
 
 
 @pytest.mark.parametrize("algorithm", ["tli", "ngram"])

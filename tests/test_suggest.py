@@ -253,7 +253,7 @@ def test_cli_says_what_is_wrong_before_loading(capsys):
     assert main(["suggest", "--drafters", "smollm2-135m-instruct", "--limit", "0"]) == 2
     assert "--limit must be at least 1" in capsys.readouterr().err
     assert main(["suggest", "--drafters", "x", "--prompts", "/no/such.jsonl"]) == 2
-    assert "neither humaneval, mtbench, edits nor a JSONL file" in capsys.readouterr().err
+    assert "neither humaneval, mtbench, edits, recall nor a JSONL file" in capsys.readouterr().err
 
 
 # --- the real pair ----------------------------------------------------------------------------------------------------

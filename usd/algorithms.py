@@ -9,13 +9,8 @@ compares equal to it; the code asks the member's properties instead (docs/design
 
 from __future__ import annotations
 
-import importlib
 from dataclasses import dataclass
 from enum import Enum, StrEnum
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from .drafting import Source, Start
 
 
 class Proposal(Enum):
@@ -60,8 +55,8 @@ class Spec:
     """A seed fixes its answer however rounds are cut: its every draw is tied to an answer position
     (sampling.position_generator), not to the order of a round's draws."""
     source: str | None = None
-    """The factory of its `drafting.Source`, as "module:function" under usd (imported when a generation starts one,
-    so that this table imports no model code); None: it drafts nothing itself."""
+    """The factory of its `drafting.Source`, as "module:function" under usd (`drafting.start_source` imports it when
+    an answer starts one, so that this table imports nothing); None: it drafts nothing itself."""
     drafts_from: str = ""
     """What drafts its candidates, in words for the panel."""
 
@@ -98,12 +93,6 @@ class Algorithm(StrEnum):
         """Drafts with no model: each candidate costs next to nothing (auto prices it with c = 0, drafts up to
         schedule.K_MAX_LOOKUP), and some rounds it finds nothing to propose."""
         return self.spec.proposes is Proposal.LOOKUP
-
-    def start(self, start: Start) -> Source:
-        """A new source of its drafts for one answer (the table's factory)."""
-        assert self.spec.source is not None, f"{self.value} drafts nothing itself"
-        module, name = self.spec.source.split(":")
-        return getattr(importlib.import_module(f".{module}", __package__), name)(start)
 
     @property
     def uses_drafter(self) -> bool:

@@ -81,6 +81,52 @@ EDITS = (
 answer is a copy of the prompt (where n-gram lookup drafts for free)."""
 
 
+RECALL = {
+    "csv": (
+        "Write a Python function parse_line(line) that splits one CSV line into a list of fields, handling quoted "
+        "fields that contain commas.",
+        ["Also strip the whitespace around each field.", "Also accept a delimiter argument, default ','."],
+    ),
+    "stack": (
+        "Write a Python class Stack with push, pop, peek and is_empty methods, and a short docstring for each.",
+        ["Also add a size method.", "Also make pop raise IndexError with a clear message when the stack is empty."],
+    ),
+    "sql": (
+        "Write an SQL query that lists each customer's name and the total of their orders, from tables customers(id, "
+        "name) and orders(id, customer_id, amount), highest total first.",
+        ["Only include customers whose total is above 100.", "Also show how many orders each customer placed."],
+    ),
+    "js": (
+        "Write a JavaScript function debounce(fn, wait) that delays calling fn until wait milliseconds have passed "
+        "since the last call, with a comment on each line.",
+        ["Also add a cancel method to the returned function.", "Use arrow functions where you can."],
+    ),
+    "email": (
+        "Write a short email to a customer telling them their order #4512 has shipped and will arrive in three days.",
+        ["Also apologise for the delay of two days.", "Sign it from Dana at the support team."],
+    ),
+    "binary": (
+        "Write a Python function binary_search(items, target) that returns the index of target in the sorted list "
+        "items, or -1, with type hints and a docstring.",
+        ["Also handle an empty list first.", "Make it work on any sequence, not only lists."],
+    ),
+}
+
+
+"""The `recall` set's sessions: a first request, then the changes a user asks for in turn, each in a new chat."""
+
+
+def recall_prompts() -> list[Prompt]:
+    """Sessions of three requests, each a new conversation that asks for the first answer again with a change (the
+    second request's change kept in the third): the earlier answer is in no prompt, so only a drafter that remembers
+    earlier answers (usd/suffix.py) can copy it. Ids: SESSION-1..3, in the order they are asked."""
+    out = []
+    for name, (ask, changes) in RECALL.items():
+        asks = [ask, f"{ask} {changes[0]}", f"{ask} {changes[0]} {changes[1]}"]
+        out += [Prompt(f"{name}-{i + 1}", messages=({"role": "user", "content": a},)) for i, a in enumerate(asks)]
+    return out
+
+
 def _humaneval_rows() -> list[dict]:
     return _jsonl(gzip.decompress(_registry_file("humaneval")).decode("utf-8"), "humaneval")
 
@@ -124,11 +170,14 @@ def _mtbench_rows() -> list[dict]:
 
 def load_prompts(dataset: str, limit: int | None = None) -> list[Prompt]:
     """`humaneval`, `mtbench`, `edits` (HumanEval's solutions to change, `edit_prompts`, with MT-Bench's extraction
-    questions, `document_prompts`), or a path to a JSONL file whose rows have `prompt` (text) or `messages`."""
+    questions, `document_prompts`), `recall` (`recall_prompts`), or a path to a JSONL file whose rows have `prompt`
+    (text) or `messages`."""
     if dataset == "humaneval":
         out = [Prompt(r["task_id"], prompt=r["prompt"]) for r in _humaneval_rows()]
     elif dataset == "edits":
         out = _edits_set()
+    elif dataset == "recall":
+        out = recall_prompts()
     elif dataset == "mtbench":
         rows = _mtbench_rows()
         out = [
@@ -137,7 +186,9 @@ def load_prompts(dataset: str, limit: int | None = None) -> list[Prompt]:
     else:
         path = Path(dataset)
         if not path.is_file():
-            raise ValueError(f"dataset {dataset!r} is neither humaneval, mtbench, edits nor a JSONL file that exists")
+            raise ValueError(
+                f"dataset {dataset!r} is neither humaneval, mtbench, edits, recall nor a JSONL file that exists"
+            )
         out = []
         for n, r in enumerate(_jsonl(path.read_text(encoding="utf-8"), str(path)), 1):
             if isinstance(r.get("prompt"), str):

@@ -19,7 +19,7 @@ import torch
 
 from .algorithms import PLAIN, Acceptance, Algorithm, runnable
 from .drafters import room_after
-from .drafting import Draft, Randomness, Rules, Source, Start
+from .drafting import Draft, Randomness, Rules, Source, Start, start_source
 from .events import Finished, Piece, Round, Stats
 from .pair import Pair, bytes_of
 from .record import RoundRecord
@@ -215,7 +215,9 @@ class Generation:
         self.answer = Answer(pair, max_new_tokens, stop_strings)
         self.rules = Rules(pair, params, rng, self.answer.eos, self.schedule.min_confidence)
         self.start = Start(self.rules, list(prompt_ids), drafter_prompt_ids, self.answer, memory)
-        self.sources: dict[Algorithm, Source] = {m: m.start(self.start) for m in self.schedule.weighed if not m.plain}
+        self.sources: dict[Algorithm, Source] = {
+            m: start_source(m, self.start) for m in self.schedule.weighed if not m.plain
+        }
         """Each mode's source of drafts for this answer (the drafter model's modes share its state)."""
         _prefill(self.target)
 

@@ -9,6 +9,7 @@ each round's output is then distributed as the target's, whatever was proposed (
 
 from __future__ import annotations
 
+import importlib
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -16,6 +17,7 @@ import numpy as np
 import torch
 
 if TYPE_CHECKING:
+    from .algorithms import Algorithm
     from .pair import Pair
     from .sampling import SamplingParams
 
@@ -128,3 +130,10 @@ class Source(Protocol):
     def commit(self, emitted: list[int]) -> None:
         """What the round committed to the answer (accepted candidates and the target's token), whoever drafted."""
         ...
+
+
+def start_source(algorithm: Algorithm, start: Start) -> Source:
+    """A new source of the algorithm's drafts for one answer: the factory its row of the table names."""
+    assert algorithm.spec.source is not None, f"{algorithm.value} drafts nothing itself"
+    module, name = algorithm.spec.source.split(":")
+    return getattr(importlib.import_module(f".{module}", __package__), name)(start)

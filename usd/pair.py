@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from .runners import Runner, runner_for
-from .vocab import TokenizerBytes, align, same_vocabulary, tokenizer_bytes
+from .vocab import TokenizerBytes, align, fingerprint, same_vocabulary, tokenizer_bytes
 
 
 def bytes_of(tb: TokenizerBytes, i: int) -> bytes:
@@ -83,9 +83,7 @@ class Pair:
     def tokenizer_key(self) -> str:
         """A fingerprint of the target's vocabulary: what its remembered answers are kept under (usd/suffix.py)."""
         if "tokenizer_key" not in self._cache:
-            from .suffix import tokenizer_key
-
-            self._cache["tokenizer_key"] = tokenizer_key(self.target_bytes)
+            self._cache["tokenizer_key"] = fingerprint(self.target_bytes)
         return self._cache["tokenizer_key"]
 
     @property

@@ -15,7 +15,6 @@ answers only (per visitor session in a Space, per API key on a keyed server, one
 
 from __future__ import annotations
 
-import hashlib
 import re
 import threading
 from array import array
@@ -208,16 +207,6 @@ class Scope:
 
 MEMORY = SuffixMemory()
 """This process's memory: the server's, the app's and the bench's answers (each in its own scopes)."""
-
-
-def tokenizer_key(token_bytes) -> str:
-    """A fingerprint of a tokenizer's vocabulary (`vocab.TokenizerBytes`): memories of one never serve another."""
-    h = hashlib.sha256()
-    for i, b in sorted(token_bytes.bytes_of.items()):
-        h.update(i.to_bytes(4, "little") + len(b).to_bytes(2, "little") + b)
-    for i, s in sorted(token_bytes.specials.items()):
-        h.update(i.to_bytes(4, "little") + s.encode())
-    return h.hexdigest()[:16]
 
 
 def continuation(found: list[Occurrence], k: int) -> list[int]:

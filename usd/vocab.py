@@ -10,6 +10,7 @@ by their literal string, and only when both sides have that string.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import re
 import weakref
@@ -232,3 +233,14 @@ def overlap_report(
         "drafter_tokenizer": o.drafter.kind,
         "alpha_ceiling_tli": alpha_ceiling(target_tokenizer, o),
     }
+
+
+def fingerprint(token_bytes: TokenizerBytes) -> str:
+    """A fingerprint of a tokenizer's vocabulary, its tokens' bytes and specials: what is remembered in one's ids
+    (usd/suffix.py) never serves another."""
+    h = hashlib.sha256()
+    for i, b in sorted(token_bytes.bytes_of.items()):
+        h.update(i.to_bytes(4, "little") + len(b).to_bytes(2, "little") + b)
+    for i, s in sorted(token_bytes.specials.items()):
+        h.update(i.to_bytes(4, "little") + s.encode())
+    return h.hexdigest()[:16]

@@ -17,13 +17,13 @@ import platform
 import sys
 import time
 from dataclasses import asdict, dataclass, field
-from typing import get_args
+from typing import Literal, get_args
 
 import torch
 
 from .. import chat, decoder, settings, suggest
 from ..algorithms import PLAIN, Algorithm
-from ..catalog import Precision, add_pair_arguments
+from ..catalog import Precision, add_pair_arguments, drafter_arg
 from ..datasets import Prompt, load_prompts
 from ..events import Finished
 from ..pair import Pair
@@ -347,6 +347,10 @@ def bench(
 ) -> dict:
     """Run every (algorithm, k) of `variants` on every prompt, interleaved, after a warm-up. k may be "sweep"."""
     params = params or SamplingParams()
+    if pair.drafter is None:
+        needing = [a for a in algorithms if a == "hf" or (a not in REFERENCES and Algorithm(a).needs_drafter)]
+        if needing:
+            raise ValueError(f"{', '.join(needing)} need a drafter model; leave them out or load one (--drafter)")
     algorithms = [
         a for a in algorithms if a in REFERENCES or not Algorithm(a).spec.one_tokenizer or pair.same_tokenizer
     ]
@@ -406,8 +410,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--dataset",
         default="humaneval",
-        help="humaneval, mtbench, edits (HumanEval's solutions to change, MT-Bench's extraction questions), or a "
-        "JSONL file (prompt or messages)",
+        help="humaneval, mtbench, edits (HumanEval's solutions to change, MT-Bench's extraction questions), recall "
+        "(sessions asking for an earlier answer again, in new conversations), or a JSONL file (prompt or messages)",
     )
     p.add_argument("--limit", type=int, default=20, help="how many prompts (default 20)")
     p.add_argument(
@@ -452,11 +456,11 @@ def parse_k(text: str):
         ) from None
 
 
-def pairs_to_run(args, catalog) -> list[tuple[str | None, str | None]]:
-    """The pairs this invocation benchmarks: the one named (or the default), or every suggested pair whose two
-    models are already on this machine."""
+def pairs_to_run(args, catalog) -> list[tuple[str | None, str | Literal[False] | None]]:
+    """The pairs this invocation benchmarks: the one named (or the default; `--drafter none`: no drafter model, as
+    `api.load_pair` takes it), or every suggested pair whose two models are already on this machine."""
     if not args.pairs:
-        return [(args.target, args.drafter)]
+        return [(args.target, drafter_arg(args.drafter))]
     if args.pairs != "suggested":
         raise ValueError(f"--pairs takes 'suggested', got {args.pairs!r}")
     from ..store import local_path
@@ -485,7 +489,8 @@ def gguf_models(pairs, catalog, device: str | None, precision: Precision | None)
 
     names = []
     for target, drafter in pairs:
-        for spec in (target or catalog.default.target, drafter or catalog.default.drafter):
+        drafter = catalog.default.drafter if drafter is None else drafter
+        for spec in (target or catalog.default.target, *([drafter] if drafter else [])):
             entry = entry_for(spec, catalog)
             if choose_precision(entry, device or default_device(), precision)[0] == "gguf" and entry.name not in names:
                 names.append(entry.name)
