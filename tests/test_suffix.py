@@ -152,3 +152,28 @@ def test_every_turn_equals_plain_whatever_earlier_turns_used(pair, monkeypatch):
         plain = api.generate(pair, messages=messages, algorithm="none", max_new_tokens=12, scope=None)
         assert done.target_ids == plain.target_ids, f"turn {turn} ({algorithm})"
         messages.append({"role": "assistant", "content": done.text})
+
+
+def test_a_server_s_memory_stays_within_its_bound_request_after_request(pair, monkeypatch):
+    """scripts/suffix_soak.py in small: requests through `usd serve`'s routes, each a new answer to remember, with the
+    bound set low; the memory never counts more than its bound, and the oldest answers make room."""
+    import httpx
+    from tiny_serving import serving
+
+    from usd.serve import FixedPair, Slots, create_app
+
+    memory = SuffixMemory(bound=8 << 10)
+    monkeypatch.setattr(suffix, "MEMORY", memory)
+    most = 0
+    with serving(create_app(FixedPair(pair, slots=Slots(1, 4)))) as root, httpx.Client(timeout=60) as client:
+        for i in range(150):
+            body = {
+                "model": pair.target_name,
+                "messages": [{"role": "user", "content": f"request {i}: say {i * 7919 % 100003}"}],
+                "max_tokens": 12,
+                "speculative": {"algorithm": "suffix"},
+            }
+            client.post(f"{root}/v1/chat/completions", json=body).raise_for_status()
+            most = max(most, memory.nbytes)
+    assert 0 < most <= memory.bound
+    assert min(memory.order) > 1, "the oldest answers should have made room"

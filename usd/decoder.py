@@ -33,7 +33,7 @@ from .verify import exact_match, greedy_match, rejection_sampling
 
 def resolve_algorithm(pair: Pair, algorithm: str) -> Algorithm:
     """Check that the algorithm can run on this pair; `auto` stays `auto` (the schedule picks per round: without a
-    drafter between plain decoding and the n-gram lookup)."""
+    drafter among plain decoding and the lookups)."""
     chosen = check_algorithm(algorithm)
     problem = runnable(chosen, pair.drafter is not None, pair.same_tokenizer)
     if problem:
@@ -201,7 +201,7 @@ class Generation:
         """`memory`: where the suffix source looks up earlier answers (`suffix.Scope`; None: the conversation only)."""
         algorithm = Algorithm(algorithm)  # a name given: its member (an unknown one fails here, loudly)
         self.pair = pair
-        # With a seed, auto only uses modes whose answer the seed fixes (plain and slem, see position_generator), so
+        # With a seed, auto only uses modes whose answer the seed fixes (plain, slem, lookups: position_generator), so
         # "same seed, same text" holds for regenerate, for --samples, and between the compare view's two columns.
         seeded = not params.greedy and params.seed is not None
         self.schedule = Schedule(  # auto weighs the lookups too: they need nothing loaded

@@ -14,10 +14,11 @@ Each round takes the (mode, k) of the highest rate; when no k beats plain decodi
 probes the others now and then, with a growing wait, so where speculation cannot pay it costs almost nothing.
 
 Modes a generation may use: a fixed algorithm keeps its algorithm (its k still follows the model when
-`draft_tokens="auto"`); `auto` chooses among plain decoding, the n-gram lookup, and standard, or tli and slem. A
-lookup finds a continuation in some rounds only: in the others auto weighs the rest (`next`), and where it finds one
-its round costs only the verify (and the lookup, priced as the round's other work), at its own measured alpha. Under
-sampling with a seed, auto picks between plain decoding, slem and ngram only: the seed fixes their answer whatever the
+`draft_tokens="auto"`); `auto` chooses among plain decoding, the lookups (`Algorithm.looks_up`), and standard, or tli
+and slem. A lookup finds a continuation in some rounds only: in the others auto weighs the rest (`next` is told which
+sources can propose), and where it finds one its round costs only the verify (and the lookup, priced as the round's
+other work), at its own measured alpha. Under sampling with a seed, auto picks among plain decoding, slem and the
+lookups only: the seed fixes their answer whatever the
 schedule does (see `sampling.position_generator`), while tli's rejection-sampling draws depend on where rounds were
 cut; for the same reason a seeded tli or standard with adaptive k drafts K_START tokens a round rather than what
 timings suggest.
