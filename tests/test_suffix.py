@@ -35,8 +35,9 @@ def test_a_draft_stops_where_too_few_occurrences_agree_and_runs_longer_on_a_long
     split = [[1, 2, 3, 10], [1, 2, 3, 11], [1, 2, 3, 12], [1, 2, 3, 13]]
     assert continuation(occurrences(split, [1, 2, 3]), 8) == []  # each continuation is a quarter's
     long_run = list(range(100, 140))
-    assert len(continuation(occurrences([long_run], long_run[:3]), 16)) == 2 * KEY_TOKENS
-    assert continuation(occurrences([long_run], long_run[:8]), 16) == long_run[8:24]
+    assert len(continuation(occurrences([long_run], long_run[:3]), 16)) == KEY_TOKENS
+    assert continuation(occurrences([long_run], long_run[:12]), 16) == long_run[12:24]
+    assert continuation(occurrences([long_run], long_run[:30]), 16) == long_run[30:40]  # to the text's end
 
 
 def test_no_match_under_the_key_length_and_a_text_is_not_its_own_match():

@@ -29,10 +29,12 @@ MATCH_MAX = 64
 """The longest match measured, in tokens."""
 SCAN_MAX = 128
 """Occurrences of a key examined per lookup, newest first: a common n-gram costs a bounded time."""
-DRAFT_PER_MATCHED = 2
-"""A draft may run up to this many tokens per matched one: a long match is likely to go on the same way."""
-MIN_SHARE = 0.3
-"""A draft stops where fewer than this share of the matched occurrences, multiplied along the draft, agree on it."""
+DRAFT_PER_MATCHED = 1
+"""A draft may run up to this many tokens per matched one: a long match is likely to go on the same way, a short one
+soon parts (docs/benchmarks.md, "suffix": longer drafts per matched token were kept less and gained less)."""
+MIN_SHARE = 0.5
+"""A draft stops where fewer than this share of the matched occurrences, multiplied along the draft, agree on it: a
+majority."""
 DEFAULT_BOUND = 64 << 20
 """Bytes the memory may hold unless told otherwise (`usd serve --suffix-memory`, the app's option)."""
 TOKEN_BYTES, ENTRY_BYTES, KEY_BYTES = 4, 8, 232
