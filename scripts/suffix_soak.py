@@ -22,7 +22,7 @@ REPORT = 500
 
 def main() -> int:
     import httpx
-    from tiny_serving import rss_mb, served_pair, serving
+    from tiny_serving import new_answer_request, rss_mb, served_pair, serving
 
     from usd import suffix
     from usd.serve import FixedPair, Slots, create_app
@@ -39,13 +39,7 @@ def main() -> int:
     t0 = time.perf_counter()
     with serving(create_app(FixedPair(pair, slots=Slots(1, 4)))) as root, httpx.Client(timeout=60) as client:
         for i in range(1, args.requests + 1):
-            body = {
-                "model": pair.target_name,
-                "messages": [{"role": "user", "content": f"request {i}: say {i * 7919 % 100003} again"}],
-                "max_tokens": 12,
-                "speculative": {"algorithm": "suffix"},
-            }
-            client.post(f"{root}/v1/chat/completions", json=body).raise_for_status()
+            client.post(f"{root}/v1/chat/completions", json=new_answer_request(pair, i)).raise_for_status()
             worst = max(worst, suffix.MEMORY.nbytes)
             if i % REPORT == 0 or i == 1:
                 row = {

@@ -159,7 +159,7 @@ def test_a_server_s_memory_stays_within_its_bound_request_after_request(pair, mo
     """scripts/suffix_soak.py in small: requests through `usd serve`'s routes, each a new answer to remember, with the
     bound set low; the memory never counts more than its bound, and the oldest answers make room."""
     import httpx
-    from tiny_serving import serving
+    from tiny_serving import new_answer_request, serving
 
     from usd.serve import FixedPair, Slots, create_app
 
@@ -168,13 +168,7 @@ def test_a_server_s_memory_stays_within_its_bound_request_after_request(pair, mo
     most = 0
     with serving(create_app(FixedPair(pair, slots=Slots(1, 4)))) as root, httpx.Client(timeout=60) as client:
         for i in range(150):
-            body = {
-                "model": pair.target_name,
-                "messages": [{"role": "user", "content": f"request {i}: say {i * 7919 % 100003}"}],
-                "max_tokens": 12,
-                "speculative": {"algorithm": "suffix"},
-            }
-            client.post(f"{root}/v1/chat/completions", json=body).raise_for_status()
+            client.post(f"{root}/v1/chat/completions", json=new_answer_request(pair, i)).raise_for_status()
             most = max(most, memory.nbytes)
     assert 0 < most <= memory.bound
     assert min(memory.order) > 1, "the oldest answers should have made room"

@@ -41,6 +41,16 @@ def served_pair() -> tuple[Pair, Slowdown]:
     return pair, Slowdown(target)
 
 
+def new_answer_request(pair: Pair, i: int) -> dict:
+    """A chat completion body asking suffix for the i-th of many different short answers (each new to its memory)."""
+    return {
+        "model": pair.target_name,
+        "messages": [{"role": "user", "content": f"request {i}: say {i * 7919 % 100003} again"}],
+        "max_tokens": 12,
+        "speculative": {"algorithm": "suffix"},
+    }
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
