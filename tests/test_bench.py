@@ -64,7 +64,7 @@ def test_bench_every_algorithm_json_csv_png(tmp_path, prompts_file, real_paths, 
     assert set(result) >= {"summary", "prompts", "machine", "settings"}
     rows = {r["algorithm"]: r for r in result["summary"]}
     # standard needs one tokenizer for both models: dropped for this pair (it runs in the next test)
-    assert set(rows) == {"none", "tli", "slem", "ngram", "auto", "hf"}
+    assert set(rows) == {"none", "tli", "slem", "ngram", "suffix", "auto", "hf"}
     for r in rows.values():
         assert set(SUMMARY_KEYS) <= set(r)
         assert r["identical_to_none"] is True, f"{r['algorithm']} differs from plain greedy"

@@ -64,7 +64,7 @@ def test_the_tli_ceiling_is_looked_up_only_where_full_acceptance_could_pay(pair,
 
 
 def test_auto_never_drafts_with_the_model_where_it_cannot_pay_and_says_why_from_the_first_round(pair):
-    """Only the lookup, whose draft costs nothing, may still speculate there (where the answer repeats the prompt)."""
+    """Only the lookups, whose drafts cost nothing, may still speculate there (where the answer repeats the prompt)."""
     c, v = 0.3, {"1": 1.8, "2": 2.5, "4": 4.1}
     pair.memory.clear()
     pair.memory["costs"] = {"step_s": 0.03, "c": c, "v": v}
@@ -76,8 +76,8 @@ def test_auto_never_drafts_with_the_model_where_it_cannot_pay_and_says_why_from_
     finally:
         hook.remove()
     rounds, done = events[:-1], events[-1]
-    assert isinstance(done, Finished) and set(done.stats.drafted_by_algorithm) <= {"ngram"}
-    assert {r.algorithm for r in rounds} <= {"none", "ngram"}
+    assert isinstance(done, Finished) and set(done.stats.drafted_by_algorithm) <= {"ngram", "suffix"}
+    assert {r.algorithm for r in rounds} <= {"none", "ngram", "suffix"}
     k, bound = speedup_bound(c, {int(x): y for x, y in v.items()})
     assert all(
         r.bound is not None and (r.bound.k, r.bound.speedup) == (k, bound) for r in rounds if r.algorithm == "none"

@@ -35,7 +35,7 @@ PROMPTS = [
 ]
 MAX_NEW = 20
 ALGORITHMS = [("tli", 4), ("slem", 4), ("auto", "auto")]
-MORE = [("none", 4), ("tli", "auto"), ("slem", "auto"), ("tli", 1), ("slem", 8), ("ngram", 4)]
+MORE = [("none", 4), ("tli", "auto"), ("slem", "auto"), ("tli", 1), ("slem", 8), ("ngram", 4), ("suffix", 4)]
 """Also run on every sixth prompt: CI time is spent where bugs would differ."""
 
 
