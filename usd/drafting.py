@@ -16,10 +16,11 @@ from typing import TYPE_CHECKING, Any, Protocol
 import numpy as np
 import torch
 
+from .sampling import SamplingParams, position_generator
+
 if TYPE_CHECKING:
     from .algorithms import Algorithm
     from .pair import Pair
-    from .sampling import SamplingParams
 
 
 @dataclass
@@ -59,8 +60,6 @@ class Randomness:
     base_seed: int
 
     def at_positions(self, first: int, n: int) -> list:
-        from .sampling import position_generator
-
         return [position_generator(self.base_seed, first + i) for i in range(n)]
 
 

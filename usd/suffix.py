@@ -155,11 +155,10 @@ class SuffixMemory:
         self.scopes: dict[tuple[str, str], Texts] = {}
         self.order: OrderedDict[int, tuple[str, str]] = OrderedDict()
         self.serial = 0
+        self.nbytes = 0
+        """The scopes' bytes in all, kept as texts come and go: a server's memory may hold thousands of scopes, too
+        many to sum at every eviction step."""
         self.lock = threading.Lock()
-
-    @property
-    def nbytes(self) -> int:
-        return sum(t.nbytes for t in self.scopes.values())
 
     def resize(self, bound: int) -> None:
         with self.lock:
@@ -175,7 +174,10 @@ class SuffixMemory:
             return
         with self.lock:
             self.serial += 1
-            self.scopes.setdefault(where, Texts()).add(self.serial, array("i", ids))
+            texts = self.scopes.setdefault(where, Texts())
+            before = texts.nbytes
+            texts.add(self.serial, array("i", ids))
+            self.nbytes += texts.nbytes - before
             self.order[self.serial] = where
             self._evict()
 
@@ -183,7 +185,9 @@ class SuffixMemory:
         while self.order and self.nbytes > self.bound:
             serial, where = self.order.popitem(last=False)
             texts = self.scopes[where]
+            before = texts.nbytes
             texts.drop(serial)
+            self.nbytes += texts.nbytes - before
             if not texts.texts:
                 del self.scopes[where]
 
