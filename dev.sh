@@ -26,8 +26,8 @@ llama_patch=patches/llama-cpp-python-exact-rows.patch
 # 16 tokens in one call, each row with a single step's bits: usd/runners/llamacpp/kernels.py). The wheel is kept per
 # patch and CPU (the build is for this CPU's instructions) and reused. Without the multimodal library (mtmd), which
 # usd-chat does not use, and without llama.cpp's AMX kernels, which -march=native turns on where the CPU reports AMX:
-# the runner's exactness rule does not cover them, and on an AMX machine here their first tile load died with a general
-# protection fault (usd/runners/llamacpp/binding.py).
+# built by GCC 12 their tile config loses its stores and the first tile load dies with a general protection fault, and
+# where that is mended they measured slower than the exact-rows kernels on two cores (usd/runners/llamacpp/binding.py).
 install_llama_cpp() {
     if "$py" -c "import ctypes, llama_cpp; ctypes.CDLL('libggml-cpu.so.0').ggml_cpu_set_exact_rows" >/dev/null 2>&1 \
         && [ ! "$llama_patch" -nt "$stamp" ]; then

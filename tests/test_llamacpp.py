@@ -690,8 +690,8 @@ def test_a_multi_turn_greedy_chat_is_the_same_under_every_algorithm(gguf):
 
 
 def test_a_build_with_amx_kernels_is_refused_with_how_to_rebuild():
-    """llama.cpp's AMX kernels died on their first tile load on an AMX machine here (a general protection fault kills
-    the process, no error to catch) and the runner's exactness rule does not cover them: a build that has them is
+    """llama.cpp's AMX kernels built by GCC 12 die on their first tile load (a general protection fault kills the
+    process, no error to catch) and the runner's exactness rule does not cover them: a build that has them is
     refused by name with the command that rebuilds it without, which is how ./dev.sh builds it."""
     from pathlib import Path
 

@@ -114,8 +114,11 @@ def exact_rows_why() -> str:
 
 def _refuse_amx(system_info: bytes) -> None:
     """A build with llama.cpp's AMX kernels (what -march=native compiles where the CPU reports AMX) is refused before
-    it runs: its AMX buffer takes the K-quant weights the runner's exactness rule is measured on (kernels.py), and on
-    an AMX machine here its first tile-config load died with a general protection fault, which kills the process."""
+    it runs: its AMX buffer takes the K-quant weights the runner's exactness rule is measured on (kernels.py), and
+    built by GCC 12 its first tile-config load dies with a general protection fault, which kills the process (GCC
+    does not see that ldtilecfg reads the whole 64-byte config built on the stack and drops the stores of its rows and
+    widths). Mended, the tiles measured slower than the exact-rows kernels at every verify length (docs/benchmarks.md),
+    so the runner does not use them."""
     if b"AMX_INT8 = 1" in system_info:
         raise LlamaCppUnavailable(
             "this llama-cpp-python was built with llama.cpp's AMX kernels, which usd-chat does not run (they "
