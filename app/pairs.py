@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 from usd.catalog import Catalog, ModelEntry
 from usd.loading import GiB, LoadError, entry_for, load_tokenizer, plan_load
+from usd.runners.registry import backend_of
 from usd.store import local_path
 
 from .space import space_models
@@ -174,7 +175,7 @@ def _readiness(entry: ModelEntry, precision: str) -> str:
     """Whether loading `entry` at `precision` has anything to fetch or convert first, in words."""
     if local_path(entry) is None:
         return "will be fetched on load"
-    if precision != "gguf" and local_path(entry, converted=True) is None:
+    if backend_of(precision).converted and local_path(entry, converted=True) is None:
         return "fetched; converted to float32 for transformers at its first load"
     return "ready"
 

@@ -143,3 +143,26 @@ def test_a_model_without_attention_sizes_gets_an_estimate_from_its_parameters(ca
     assert plan.estimate_bytes == 4 * (linear + other) + loading._RUNTIME_OVERHEAD["cpu"]
     lm = load_model(str(tiny_mamba_dir), device="cpu", precision="fp32", catalog=catalog, log=lambda m: None)
     assert type(lm.model).__name__ == "MambaForCausalLM"
+
+
+def _precision_compares(path) -> list[str]:
+    """Where a source file compares something with the name "gguf" (x == "gguf", x in ("gguf", ...))."""
+    import ast
+
+    compares = [node for node in ast.walk(ast.parse(path.read_text())) if isinstance(node, ast.Compare)]
+    return [
+        f"{path.name}:{node.lineno}"
+        for node in compares
+        if "gguf" in [n.value for n in ast.walk(node) if isinstance(n, ast.Constant)]
+    ]
+
+
+def test_the_runner_a_precision_loads_on_is_asked_of_the_registry_alone():
+    """A new runner is a row of usd/runners/registry.py: no module outside the catalog (which reads the name) and the
+    registry chooses a runner by comparing with the name "gguf"."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    allowed = {"catalog.py", "registry.py"}
+    files = [p for d in ("usd", "app") for p in (root / d).rglob("*.py") if p.name not in allowed]
+    assert [hit for p in files for hit in _precision_compares(p)] == []

@@ -10,7 +10,7 @@ from pathlib import Path
 from . import chat
 from .algorithms import Algorithm
 from .catalog import CatalogError, add_pair_arguments, drafter_arg, load_catalog
-from .loading import LoadError, check_local_dir, choose_precision, default_device, entry_for, plan_load
+from .loading import LoadError, check_local_dir, default_device, entry_for, needs_conversion, plan_load
 from .settings import (
     ALGORITHMS,
     DEFAULT_MAX_NEW_TOKENS,
@@ -37,7 +37,7 @@ def cmd_pull(args) -> int:
         entry = entry_for(name, catalog)
         try:
             # what this machine's runner for it reads: a GGUF model on llama.cpp needs no float32 copy
-            converted = choose_precision(entry, device, args.precision)[0] != "gguf"
+            converted = needs_conversion(entry, device, args.precision)
             path = pull(entry, verify=args.verify, log=lambda m: print(m, file=sys.stderr), converted=converted)
         except (StoreError, LoadError) as e:
             print(f"{name}: {e}", file=sys.stderr)

@@ -21,6 +21,7 @@ from typing import Any
 
 from .catalog import Catalog, DevicePrecision, HubSource, ModelEntry, PathSource, Precision, load_catalog
 from .runners import runner_for
+from .runners.registry import backend_of
 from .store import StoreError, cache_dir, local_path, pull
 
 GiB = 1 << 30
@@ -110,20 +111,22 @@ def available_bytes(device: str) -> int | None:
         return None
 
 
-_GGUF_NOTE = "the GGUF's own quantized weights on llama.cpp (CPU), not converted."
-
-
 def choose_precision(entry: ModelEntry, device: str, precision: Precision | None = None) -> tuple[Precision, str]:
-    from .runners import llamacpp
-
-    if (precision or (entry.precision.cuda if device == "cuda" else entry.precision.cpu)) == "gguf":
-        if llamacpp.available():
-            return "gguf", f"gguf: {_GGUF_NOTE}"
-        if precision == "gguf":
-            raise LoadError(llamacpp.INSTALL_HINT)
+    wanted = precision or (entry.precision.cuda if device == "cuda" else entry.precision.cpu)
+    backend = backend_of(wanted)
+    if not backend.available():
+        if precision is not None:
+            raise LoadError(backend.install_hint)
         # the catalog's choice, not the user's: run it on transformers rather than not at all
         chosen, note = choose_precision(entry.model_copy(update={"precision": DevicePrecision(cpu="bf16")}), "cpu")
-        return chosen, f"{note} (The catalog runs it on llama.cpp, but llama-cpp-python is not installed.)"
+        return chosen, f"{note} (The catalog runs it on {backend.name}, but {backend.library} is not installed.)"
+    if backend.note:  # one way to run it
+        return wanted, f"{wanted}: {backend.note}"
+    return _torch_precision(entry, device, precision)
+
+
+def _torch_precision(entry: ModelEntry, device: str, precision: Precision | None) -> tuple[Precision, str]:
+    """transformers' dtype (and bitsandbytes quantization on CUDA) for the device, and why, in words."""
     if device == "cuda":
         chosen = precision or entry.precision.cuda
         return chosen, {
@@ -206,15 +209,23 @@ def _kv_bytes(config, tokens: int, bytes_per: int) -> int:
 
 
 def estimate_bytes(entry: ModelEntry, precision: Precision, device: str, config=None) -> int:
+    """The memory a load takes, as its runner estimates it."""
+    return backend_of(precision).estimate_bytes(entry, precision, device, config)
+
+
+def gguf_bytes(entry: ModelEntry, precision: Precision, device: str, config=None) -> int:
+    """The GGUF as it is, mapped, plus llama.cpp's f16 cache and its buffers."""
+    weights = getattr(entry.source, "size", None) or 0.6e9 * (entry.params_b or 0)
+    from .runners.llamacpp import N_CTX_CAP
+
+    kv = _kv_bytes(config, min(N_CTX_CAP, entry.context_length), 2) if config is not None else 0
+    return int(weights + kv + _RUNTIME_OVERHEAD["cpu"]) if weights else 0
+
+
+def torch_bytes(entry: ModelEntry, precision: Precision, device: str, config=None) -> int:
     """Weights at `precision` plus a 4k-token KV cache plus runtime overhead. From the config when we have it,
     else from the catalog's params_b (assuming 90% of the weights sit in quantizable Linear layers)."""
     compute = 4 if precision == "fp32" else 2
-    if precision == "gguf":  # the file as it is, mapped, plus llama.cpp's f16 cache and its buffers
-        weights = getattr(entry.source, "size", None) or 0.6e9 * (entry.params_b or 0)
-        from .runners.llamacpp import N_CTX_CAP
-
-        kv = _kv_bytes(config, min(N_CTX_CAP, entry.context_length), 2) if config is not None else 0
-        return int(weights + kv + _RUNTIME_OVERHEAD["cpu"]) if weights else 0
     linear: float
     other: float
     if config is not None:
@@ -234,8 +245,7 @@ def plan_load(
 ) -> LoadPlan:
     device = device or default_device()
     chosen, note = choose_precision(entry, device, precision)
-    if chosen == "gguf":
-        device = "cpu"
+    device = backend_of(chosen).device or device
     if config is None:
         config = _local_config(entry)
     return LoadPlan(device, chosen, note, estimate_bytes(entry, chosen, device, config), available_bytes(device))
@@ -383,14 +393,12 @@ def load_model(
     log=print,
 ) -> LoadedModel:
     """Fetch if needed, check memory, and load (model, tokenizer) ready for inference."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    from .store import GGUF_NAME, verifying
+    from transformers import AutoConfig
 
     entry = spec if isinstance(spec, ModelEntry) else entry_for(spec, catalog)
     device = device or default_device()
     check_local_dir(entry)
-    converted = choose_precision(entry, device, precision)[0] != "gguf"  # transformers reads safetensors
+    converted = needs_conversion(entry, device, precision)
     if local_path(entry, converted=converted) is None:
         # Refuse before downloading, not after: anyone who can name a catalog model (a public Space's visitor) could
         # otherwise fill the disk with a 65 GB model that was never going to fit. The estimate is from params_b here.
@@ -404,17 +412,29 @@ def load_model(
     plan = plan_load(entry, device, precision, config)
     _check_memory(entry, plan)  # again, with the exact config now on disk
     log(f"loading {entry.name}: {plan.describe()}")
+    # before the weights: a missing tokenizer then fails in seconds, not after a load that can take minutes
+    tokenizer = load_tokenizer(entry, path)
+    return backend_of(plan.precision).load_model(entry, path, plan, tokenizer, log)
+
+
+def needs_conversion(entry: ModelEntry, device: str, precision: Precision | None = None) -> bool:
+    """Whether the runner this load would choose reads float safetensors (converted from a GGUF model's file)."""
+    return backend_of(choose_precision(entry, device, precision)[0]).converted
+
+
+def load_transformers(entry: ModelEntry, path: Path, plan: LoadPlan, tokenizer, log) -> LoadedModel:
+    """The model on transformers at the plan's dtype (quantized by bitsandbytes on CUDA)."""
+    from transformers import AutoModelForCausalLM
+
+    from .store import GGUF_NAME, verifying
+
+    device = plan.device
     kwargs: dict[str, Any] = {"dtype": torch_dtype(plan.precision), "trust_remote_code": entry.trust_remote_code}
     if device == "cuda":
         kwargs["device_map"] = "auto"
         quant = bnb_config(plan.precision)
         if quant is not None:
             kwargs["quantization_config"] = quant
-    # before the weights: a missing tokenizer then fails in seconds, not after a load that can take minutes
-    tokenizer = load_tokenizer(entry, path)
-    if plan.precision == "gguf":
-        gguf = _load_gguf(entry, path, log)
-        return LoadedModel(entry.name, gguf, tokenizer, plan, path, entry, runner=gguf)
     try:
         # pull only compared sizes and mtimes: the bytes transformers reads are hashed as they load
         with verifying(path, entry.name, skip=GGUF_NAME):
@@ -441,7 +461,7 @@ def load_model(
     return LoadedModel(entry.name, model, tokenizer, plan, path, entry)
 
 
-def _load_gguf(entry: ModelEntry, path: Path, log):
+def load_gguf(entry: ModelEntry, path: Path, plan: LoadPlan, tokenizer, log) -> LoadedModel:
     """The model's GGUF on llama.cpp (usd.runners.llamacpp), its bytes hashed against the manifest as they load."""
     from transformers import GenerationConfig
 
@@ -458,9 +478,9 @@ def _load_gguf(entry: ModelEntry, path: Path, log):
                 gguf, n_ctx=entry.context_length, generation_config=generation_config, name=entry.name
             )
         log(f"{entry.name} on llama.cpp: {model.batching.rule}{model.rule_why}")
-        return model
     except (StoreError, LlamaCppUnavailable, RuntimeError) as e:
         raise LoadError(f"{entry.name}: {e}") from None
+    return LoadedModel(entry.name, model, tokenizer, plan, path, entry, runner=model)
 
 
 def _check_memory(entry: ModelEntry, plan: LoadPlan) -> None:

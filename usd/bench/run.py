@@ -484,15 +484,16 @@ def hf_needs_transformers(gguf_names: list[str]) -> str:
 
 
 def gguf_models(pairs, catalog, device: str | None, precision: Precision | None) -> list[str]:
-    """The models of `pairs` that would load as gguf (on llama.cpp), known before loading any."""
-    from ..loading import choose_precision, default_device, entry_for
+    """The models of `pairs` that would load on a runner transformers' own generate cannot drive (llama.cpp), known
+    before loading any."""
+    from ..loading import default_device, entry_for, needs_conversion
 
     names = []
     for target, drafter in pairs:
         drafter = catalog.default.drafter if drafter is None else drafter
         for spec in (target or catalog.default.target, *([drafter] if drafter else [])):
             entry = entry_for(spec, catalog)
-            if choose_precision(entry, device or default_device(), precision)[0] == "gguf" and entry.name not in names:
+            if not needs_conversion(entry, device or default_device(), precision) and entry.name not in names:
                 names.append(entry.name)
     return names
 
