@@ -30,6 +30,10 @@ class RemoteModel:
     drafter: str | None
     usd: bool
 
+    def cpu_threads(self) -> None:
+        """None: the server computes, not this machine's CPU."""
+        return None
+
 
 class RemotePairs:
     """The `Pairs` the UI uses, backed by a server: its models are what the Pair tab offers; the server decides each

@@ -18,14 +18,13 @@ from dataclasses import dataclass
 from types import SimpleNamespace
 
 import gradio as gr
-import torch
 
 from usd import api, suffix, suggest
 from usd.algorithms import PLAIN
 from usd.chat import check_prompt
 from usd.errors import Failed, InternalError
 from usd.loading import LoadError
-from usd.runners.llamacpp import cpu_threads
+from usd.runners import cpu_threads
 from usd.serve.slots import Slots
 from usd.settings import ALGORITHMS, DRAFT_TOKENS_MAX, MAX_NEW_TOKENS_MAX, GenerationSettings
 
@@ -252,12 +251,8 @@ def pace(pair, channel: bool) -> Pace:
     where its target computes on this machine's CPU with a thread on every core, the other elsewhere (a GPU, cores to
     spare, a remote backend)."""
     calm, busy = (PACE, BUSY_CORES_PACE) if channel else (GRADIO_PACE, BUSY_CORES_GRADIO_PACE)
-    target = getattr(pair, "target", None)
-    device = getattr(target, "device", None)
-    if device is None or getattr(device, "type", device) != "cpu":
-        return calm
-    threads = getattr(target, "n_threads", None) or torch.get_num_threads()  # llama.cpp's, or torch's
-    return busy if threads >= cpu_threads() else calm
+    threads = pair.cpu_threads()
+    return busy if threads is not None and threads >= cpu_threads() else calm
 
 
 @contextlib.contextmanager

@@ -151,6 +151,13 @@ def test_compare_summary():
     assert s["first_difference"] == 2 and "distribution" in render.summary_html(s)
 
 
+class _StubPair(str):
+    """A pair with no model, known by its name."""
+
+    def cpu_threads(self) -> None:
+        return None
+
+
 class _StubPairs:
     """The part of app.pairs.Pairs the handlers use while generating, with no model."""
 
@@ -158,7 +165,7 @@ class _StubPairs:
         self.baselines = {}
 
     def current(self):
-        return "the pair"
+        return _StubPair("the pair")
 
     def key(self):
         return ("target", "drafter")
@@ -737,24 +744,34 @@ def test_views_update_less_often_where_the_engine_has_a_thread_on_every_core(mon
     or through Gradio."""
     from types import SimpleNamespace
 
-    import torch
-
     from app import ui
 
     monkeypatch.setattr(ui, "cpu_threads", lambda: 4)
-    cpu, cuda = torch.device("cpu"), torch.device("cuda")
-    on = lambda device, threads=None: SimpleNamespace(target=SimpleNamespace(device=device, n_threads=threads))  # noqa: E731
+    on = lambda threads: SimpleNamespace(cpu_threads=lambda: threads)  # noqa: E731  (a pair's target runner says)
     for channel, calm, busy in (
         (True, ui.PACE, ui.BUSY_CORES_PACE),
         (False, ui.GRADIO_PACE, ui.BUSY_CORES_GRADIO_PACE),
     ):
         assert busy.live > calm.live and busy.chat >= calm.chat
-        assert ui.pace(on(cpu, 4), channel) == busy  # llama.cpp on every core
-        assert ui.pace(on(cpu, 2), channel) == calm  # cores to spare for the page
-        assert ui.pace(on(cuda), channel) == calm
-        assert ui.pace(SimpleNamespace(target="a remote model"), channel) == calm
-        monkeypatch.setattr(torch, "get_num_threads", lambda: 4)
-        assert ui.pace(on(cpu), channel) == busy  # transformers: torch's threads
-        monkeypatch.undo()
-        monkeypatch.setattr(ui, "cpu_threads", lambda: 4)
+        assert ui.pace(on(4), channel) == busy  # on every core
+        assert ui.pace(on(2), channel) == calm  # cores to spare for the page
+        assert ui.pace(on(None), channel) == calm  # a GPU
     assert ui.BUSY_CORES_PACE.live < 1.0, "the token view updates a few times a second even there"
+
+
+def test_runners_say_which_threads_of_this_cpu_they_compute_on(monkeypatch):
+    """What the pace above reads: the transformers runner computes on torch's threads on the CPU, and elsewhere on
+    none of this CPU's; a remote server's model on none."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from app.remote import RemoteModel
+    from usd.runners import Runner
+    from usd.runners.transformers import TransformersRunner
+
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 3)
+    on_cpu, on_gpu = (TransformersRunner(SimpleNamespace(device=torch.device(d))) for d in ("cpu", "cuda"))
+    assert isinstance(on_cpu, Runner) and on_cpu.cpu_threads() == 3
+    assert on_gpu.cpu_threads() is None
+    assert RemoteModel(client=None, model="m", drafter=None, usd=True).cpu_threads() is None

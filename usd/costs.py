@@ -82,9 +82,7 @@ def measure(pair) -> dict:
                 draft_steps.append(timed_forward(drafter, d_ids, 1))
                 feeds.append(timed_forward(drafter, d_ids, min(FEED, len(d_ids) - 1)))
     for runner in (pair.target_runner, pair.drafter_runner):
-        forget = getattr(runner, "forget", None)  # the llama.cpp runner: leave no timing context for a prompt to meet
-        if forget is not None:
-            forget()
+        runner.forget()
     step, fed = min(steps), min(FEED, len(d_ids) - 1)
     return {
         "step_s": step,

@@ -65,6 +65,10 @@ class Pair:
         if self.drafter_runner is None and self.drafter is not None:
             self.drafter_runner = runner_for(self.drafter)
 
+    def cpu_threads(self) -> int | None:
+        """The threads the target computes on, on this machine's CPU (None: elsewhere)."""
+        return self.target_runner.cpu_threads()
+
     @property
     def same_tokenizer(self) -> bool:
         if self.drafter_tokenizer is None:

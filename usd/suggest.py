@@ -297,6 +297,12 @@ class _KnownAnswer:
     def new_context(self, ids: list[int]) -> _KnownContext:
         return _KnownContext(self, ids)
 
+    def forget(self) -> None:
+        """Nothing kept: the reference is the whole of its state."""
+
+    def cpu_threads(self) -> None:
+        return None  # no model computes
+
 
 class _KnownContext:
     def __init__(self, known: _KnownAnswer, ids: list[int]):
@@ -335,6 +341,12 @@ class _Recording:
 
         ctx.forward = recorded
         return ctx
+
+    def forget(self) -> None:
+        self.runner.forget()
+
+    def cpu_threads(self) -> int | None:
+        return self.runner.cpu_threads()
 
 
 @torch.inference_mode()

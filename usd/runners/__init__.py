@@ -5,6 +5,7 @@ target and drafter may run on different runners (docs/design.md §7)."""
 
 from __future__ import annotations
 
+import os
 from typing import Protocol, runtime_checkable
 
 import torch
@@ -35,6 +36,23 @@ class DecodingContext(Protocol):
 @runtime_checkable
 class Runner(Protocol):
     def new_context(self, ids: list[int]) -> DecodingContext: ...
+
+    def forget(self) -> None:
+        """Drop what the runner keeps between contexts (llama.cpp's cached sequences, which a later prompt could
+        reuse): a measurement leaves nothing behind for a prompt to meet."""
+        ...
+
+    def cpu_threads(self) -> int | None:
+        """The threads its forwards compute on, on this machine's CPU; None where they run elsewhere (a GPU)."""
+        ...
+
+
+def cpu_threads() -> int:
+    """The CPUs this process may run on."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # macOS, Windows
+        return max(1, os.cpu_count() or 1)
 
 
 def is_own_runner(model) -> bool:

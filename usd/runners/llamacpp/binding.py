@@ -9,6 +9,8 @@ import os
 import threading
 from importlib.metadata import version
 
+from .. import cpu_threads  # noqa: F401  (re-exported: the threads llama.cpp computes on by default)
+
 GGML_TYPE_F16, GGML_TYPE_BF16 = 1, 30  # ggml.h's enum ggml_type (the binding names no BF16)
 NO_AMX = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
 """Compiler flags that leave llama.cpp's AMX kernels out of a build for the builder's own CPU (see `_refuse_amx`)."""
@@ -132,10 +134,3 @@ def last_errors() -> str:
     """llama.cpp's latest error lines, for a message (": ..."), or nothing."""
     errors = _state.get("errors") or []
     return f": {' / '.join(errors)}" if errors else ""
-
-
-def cpu_threads() -> int:
-    try:
-        return max(1, len(os.sched_getaffinity(0)))
-    except AttributeError:  # macOS, Windows
-        return max(1, os.cpu_count() or 1)

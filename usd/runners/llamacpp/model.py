@@ -141,6 +141,9 @@ class LlamaCppModel:
     def forget(self) -> None:
         self.pool.forget()
 
+    def cpu_threads(self) -> int:
+        return self.n_threads
+
     # --- the first cache, for measurements and tests that drive llama.cpp directly ----------------------------------
 
     @property

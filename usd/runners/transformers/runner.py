@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import torch
+
 from .context import Context
 from .static_cache import KINDS, CachePool, CompiledStep, StaticContext
 
@@ -24,3 +26,9 @@ class TransformersRunner:
         if self.pool is None:
             return Context(self.model, ids)
         return StaticContext(self.model, ids, self.pool, self.compiled)
+
+    def forget(self) -> None:
+        """Nothing to drop: every context starts from an empty cache (the pool's are reset when handed out)."""
+
+    def cpu_threads(self) -> int | None:
+        return torch.get_num_threads() if self.model.device.type == "cpu" else None
