@@ -35,7 +35,7 @@ def create(
     backend: str | None = None,
     api_key: str | None = None,
 ):
-    """Load the pair and build the Blocks (not launched), with the /v1 routes on the same pair (added at launch).
+    """Load the pair and build the page (not launched), with the /v1 routes on the same pair (added at launch).
     A pair that fails to load leaves the UI up, saying why. With `backend` (an OpenAI-compatible server's /v1 URL)
     the UI is a front end for that server instead: no local pair, no /v1 of its own."""
     from usd.catalog import load_catalog
@@ -69,12 +69,12 @@ def create(
             "Pair tab."
         )
     slots = Slots()
-    demo = build(pairs, slots)
-    demo.usd_v1 = AppService(pairs, slots=slots, api_key=api_key, wrap=gpu)  # launch() adds its routes
-    return demo, pairs
+    page = build(pairs, slots)
+    page.service = AppService(pairs, slots=slots, api_key=api_key, wrap=gpu)  # launch() adds its routes
+    return page, pairs
 
 
-def launch(demo, host: str, port: int | None, share: bool = False, concurrency: int = 1, max_queue: int = 16, **kwargs):
+def launch(page, host: str, port: int | None, share: bool = False, concurrency: int = 1, max_queue: int = 16, **kwargs):
     """Serve the Blocks with what one visitor may ask of them bounded: every event that runs the models goes through
     Gradio's queue (`api_open=False` closes the REST routes that would skip it, /gradio_api/run/...), no request
     body is over protocol.MAX_BODY_BYTES (`BodyLimit`, also for /v1), and no upload is kept (the app has no file
@@ -86,19 +86,18 @@ def launch(demo, host: str, port: int | None, share: bool = False, concurrency: 
 
     from .page import PageScript
 
+    demo = page.demo
     demo.queue(default_concurrency_limit=concurrency, max_size=max_queue, api_open=False)
     # no public setting for these: a Gradio that renames them fails tests/test_app_page.py
     demo._queue.sleep_when_free = demo._queue.progress_update_sleep_when_free = QUEUE_POLL_S
     demo.delete_cache = demo.delete_cache or (CACHE_CHECK_S, CACHE_CHECK_S)
     app_kwargs = dict(kwargs.pop("app_kwargs", None) or {})
     app_kwargs["middleware"] = [*app_kwargs.get("middleware", []), Middleware(BodyLimit), Middleware(PageScript)]
-    service = getattr(demo, "usd_v1", None)
-    if service is not None:  # the /v1 routes, in Gradio's own FastAPI app from its start, sharing the UI's slots
-        service.slots.configure(concurrency, max_queue)
-        app_kwargs["routes"] = [*app_kwargs.get("routes", []), *create_router(service).routes]
-    live = getattr(demo, "usd_live", None)
-    if live is not None:  # the live views' own update channel (app/live.py)
-        app_kwargs["routes"] = [*app_kwargs.get("routes", []), live.route()]
+    if page.service is not None:  # the /v1 routes, in Gradio's own FastAPI app from its start, sharing the UI's slots
+        page.service.slots.configure(concurrency, max_queue)
+        app_kwargs["routes"] = [*app_kwargs.get("routes", []), *create_router(page.service).routes]
+    if page.live is not None:  # the live views' own update channel (app/live.py)
+        app_kwargs["routes"] = [*app_kwargs.get("routes", []), page.live.route()]
     kwargs["app_kwargs"] = app_kwargs
     kwargs.setdefault("max_file_size", 0)
     return demo.launch(server_name=host, server_port=port, share=share, css_paths=[CSS_PATH], **kwargs)
@@ -148,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
     from .space import SpaceModelsError
 
     try:
-        demo, _ = create(
+        page, _ = create(
             args.target,
             args.drafter,
             args.space,
@@ -159,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
         )
     except SpaceModelsError as e:  # the deployer's list of served models is wrong: say which name, exit
         parser.error(str(e))
-    launch(demo, args.host, args.port, args.share, args.concurrency, args.max_queue)
+    launch(page, args.host, args.port, args.share, args.concurrency, args.max_queue)
     return 0
 
 

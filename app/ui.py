@@ -16,6 +16,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from types import SimpleNamespace
+from typing import TYPE_CHECKING
 
 import gradio as gr
 
@@ -33,6 +34,9 @@ from .live import Channels
 from .pairs import NO_DRAFTER, Pairs
 from .space import gpu, runs_elsewhere
 from .suggest_ui import rank_section
+
+if TYPE_CHECKING:
+    from .v1 import AppService
 
 DRAFT_CHOICES = ["auto"] + [str(k) for k in range(1, DRAFT_TOKENS_MAX + 1)]
 DEFAULT = GenerationSettings()
@@ -647,9 +651,19 @@ class Handlers:
 # --- the page --------------------------------------------------------------------------------------------------------
 
 
-def build(pairs: Pairs, slots: Slots | None = None, stream=None) -> gr.Blocks:
-    """The app's page; `demo.usd_live`, the live views' channels, whose route `launch` adds (None where the handlers
-    run in another process)."""
+@dataclass
+class Page:
+    """The app's Gradio page and what `launch` serves beside it on the same server."""
+
+    demo: gr.Blocks
+    live: Channels | None = None
+    """The live views' update channel (app/live.py); None where the handlers run in another process."""
+    service: AppService | None = None
+    """The OpenAI-protocol routes (/v1) on the app's own pairs (app/v1.py); None for a front end to a server."""
+
+
+def build(pairs: Pairs, slots: Slots | None = None, stream=None) -> Page:
+    """The app's page, with its live views' channel."""
     channels = None if runs_elsewhere() else Channels()
     h = Handlers(pairs, slots, stream, channels)
     with gr.Blocks(title="usd-chat") as demo:
@@ -713,8 +727,7 @@ def build(pairs: Pairs, slots: Slots | None = None, stream=None) -> gr.Blocks:
 
         gr.api(gpu(h.generate), api_name="generate", concurrency_id=MODELS)
         gr.api(gpu(h.compare), api_name="compare", concurrency_id=MODELS)
-    demo.usd_live = channels
-    return demo
+    return Page(demo, channels)
 
 
 def _chat_tab() -> SimpleNamespace:

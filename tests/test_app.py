@@ -31,10 +31,11 @@ def app(real_paths):
     os.environ["GRADIO_ANALYTICS_ENABLED"] = "False"
     from app.__main__ import create, launch
 
-    demo, pairs = create(log=lambda *_: None)
+    page, pairs = create(log=lambda *_: None)
+    demo = page.demo
     assert pairs.loaded is not None, "the default pair must load"
     port = free_port()
-    launch(demo, "127.0.0.1", port, concurrency=1, max_queue=16, prevent_thread_lock=True, quiet=True)
+    launch(page, "127.0.0.1", port, concurrency=1, max_queue=16, prevent_thread_lock=True, quiet=True)
     yield demo, pairs, f"http://127.0.0.1:{port}/"
     demo.close()
 

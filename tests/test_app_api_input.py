@@ -21,11 +21,12 @@ def client(catalog):
     from app.ui import build
 
     os.environ["GRADIO_ANALYTICS_ENABLED"] = "False"
-    demo = build(Pairs(catalog))
+    page = build(Pairs(catalog))
+    demo = page.demo
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    launch(demo, "127.0.0.1", port, prevent_thread_lock=True, quiet=True)
+    launch(page, "127.0.0.1", port, prevent_thread_lock=True, quiet=True)
     yield Client(f"http://127.0.0.1:{port}/", verbose=False)
     demo.close()
 

@@ -38,14 +38,21 @@ def app(catalog):
     pairs = Pairs(catalog)
     pairs.pair, pairs.loaded = pair, Choice(catalog.default.target, catalog.default.drafter)
     slots = Slots()
-    demo = build(pairs, slots)
-    demo.usd_v1 = AppService(pairs, slots=slots, api_key=KEY)
+    page = build(pairs, slots)
+    page.service = AppService(pairs, slots=slots, api_key=KEY)
+    demo = page.demo
     port = free_port()
-    launch(demo, "127.0.0.1", port, concurrency=1, max_queue=4, prevent_thread_lock=True, quiet=True)
+    launch(page, "127.0.0.1", port, concurrency=1, max_queue=4, prevent_thread_lock=True, quiet=True)
     url = f"http://127.0.0.1:{port}"
     try:
         yield SimpleNamespace(
-            url=url, client=Client(f"{url}/", verbose=False), pair=pair, slowdown=slowdown, slots=slots, demo=demo
+            url=url,
+            client=Client(f"{url}/", verbose=False),
+            pair=pair,
+            slowdown=slowdown,
+            slots=slots,
+            demo=demo,
+            service=page.service,
         )
     finally:
         demo.close()
@@ -146,7 +153,7 @@ def test_bad_text_and_a_near_zero_temperature_through_the_app(fresh):
     assert text == greedy(app) and stats["tokens"] == 8
     r = httpx.post(
         f"{app.url}/v1/completions",
-        json={"model": app.demo.usd_v1.pairs.loaded.target, "prompt": PROMPT, "max_tokens": 4, "stop": "ab" * 5000},
+        json={"model": app.service.pairs.loaded.target, "prompt": PROMPT, "max_tokens": 4, "stop": "ab" * 5000},
         headers={"Authorization": f"Bearer {KEY}"},
         timeout=60,
     )

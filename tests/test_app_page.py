@@ -44,10 +44,11 @@ def test_gradios_queue_looks_for_work_every_queue_poll_s_not_every_millisecond()
     from tiny_serving import free_port
 
     from app.__main__ import QUEUE_POLL_S, launch
+    from app.ui import Page
 
     with gr.Blocks() as demo:
         gr.Markdown("hi")
-    launch(demo, "127.0.0.1", free_port(), prevent_thread_lock=True, quiet=True)
+    launch(Page(demo), "127.0.0.1", free_port(), prevent_thread_lock=True, quiet=True)
     try:
         assert demo._queue.sleep_when_free == demo._queue.progress_update_sleep_when_free == QUEUE_POLL_S >= 0.05
     finally:

@@ -391,7 +391,7 @@ def test_space_pair_tab_lists_only_the_served_models(catalog, monkeypatch):
 
     monkeypatch.setenv(SPACE_MODELS_ENV, "qwen2.5-0.5b-instruct")
     pairs = Pairs(catalog, space_mode=True)
-    dropdowns = {b.label: b for b in build(pairs).blocks.values() if isinstance(b, gr.Dropdown)}
+    dropdowns = {b.label: b for b in build(pairs).demo.blocks.values() if isinstance(b, gr.Dropdown)}
     assert [value for _, value in dropdowns["Target"].choices] == pairs.allowed
     assert [value for _, value in dropdowns["Drafter"].choices] == [NO_DRAFTER, *pairs.allowed]  # a model optional
     suggested = [value.split(":")[0] for _, value in dropdowns["Suggested pairs"].choices]

@@ -350,5 +350,5 @@ def test_pair_tab_ranking_handler_shows_table_chart_and_loadable_picks(catalog, 
     assert "Ranked 3 drafter(s)" in message
     _, _, _, bad = suggest_ui.rank_drafters(h, "no-such-model", "", lambda *a, **k: None)
     assert bad.startswith("⚠") and "unknown target" in bad
-    buttons = {b.elem_id for b in build(pairs).blocks.values() if isinstance(b, gr.Button)}
+    buttons = {b.elem_id for b in build(pairs).demo.blocks.values() if isinstance(b, gr.Button)}
     assert {"rank-run", "rank-load"} <= buttons

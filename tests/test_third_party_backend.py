@@ -77,10 +77,11 @@ def app(server):
     os.environ["GRADIO_ANALYTICS_ENABLED"] = "False"
     from app.__main__ import create, launch
 
-    demo, pairs = create(backend=server, log=lambda *_: None)
+    page, pairs = create(backend=server, log=lambda *_: None)
+    demo = page.demo
     assert pairs.loaded is not None and pairs.loaded.target == SMOL
     port = free_port()
-    launch(demo, "127.0.0.1", port, prevent_thread_lock=True, quiet=True)
+    launch(page, "127.0.0.1", port, prevent_thread_lock=True, quiet=True)
     yield pairs, f"http://127.0.0.1:{port}/"
     demo.close()
 
