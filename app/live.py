@@ -4,7 +4,7 @@ updated over a server-sent-events route of the app's, not through Gradio's queue
 Every message Gradio streams to the page costs the browser a fixed amount of work (its bookkeeping of the event's
 outputs and statuses, Svelte's update), whatever it carries; on a CPU machine that work runs on the cores the engine
 decodes on, and a step whose thread it displaces waits for it (docs/benchmarks.md, "The Chat tab against the engine").
-A message on this channel costs the page only what it shows: the live view's script (app/ui.py LIVE_JS) appends the
+A message on this channel costs the page only what it shows: the live view's script (app/views.py LIVE_JS) appends the
 new pieces and chart rows. So the views update a few times a second while Gradio sends only the chat's answer, less
 often, and each view's first and last value (the last whole, so a page that missed the channel still ends right).
 

@@ -71,8 +71,8 @@ def pieces_html(pieces: list[Piece] | tuple[Piece, ...]) -> str:
 
 class TokenFeed:
     """What a token view is sent: the spans of the pieces it has not shown yet, with the range of pieces they cover,
-    so an update costs the new pieces (on the wire, in the app and in the browser, which appends them: app/ui.py
-    TOKENS_JS), not the whole answer again. A feed's first update, and its last (`whole`), carry every piece from the
+    so an update costs the new pieces (on the wire, in the app and in the browser, which appends them: app/views.py
+    LIVE_JS), not the whole answer again. A feed's first update, and its last (`whole`), carry every piece from the
     first: the page starts its box afresh on them, so nothing it missed stays missing."""
 
     _runs = itertools.count(1)
@@ -88,7 +88,7 @@ class TokenFeed:
 
 
 class LiveFeed:
-    """What a live view (app/ui.py `live_view`: a token view with, as the view has them, a heading, the stats panel
+    """What a live view (app/views.py `live_view`: a token view with, as the view has them, a heading, the stats panel
     and the per-round chart, one component on the page) is sent per update: the new pieces (TokenFeed), the chart's
     new rows in the same way, and the heading and panel whole (they are small). One output instead of one per part:
     the page's per-update work (Gradio's bookkeeping of every output of an event) grows with the outputs."""

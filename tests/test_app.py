@@ -262,7 +262,7 @@ def test_browser_chat_shows_coloured_tokens_stats_and_stop_keeps_the_chat(app):
         page.locator("#message textarea").fill("Now explain, step by step and at length, how it works.")
         page.locator("#send").click()
         expect(page.locator("#stats .stop-reason")).to_have_count(0, timeout=60_000)  # the new answer has started
-        time.sleep(1)  # within the chart's interval of its first drawing (app/ui.py CHART_MS)
+        time.sleep(1)  # within the chart's interval of its first drawing (app/views.py CHART_MS)
         page.locator("#stop").click()
         expect(page.locator("#stats")).to_contain_text("stopped: cancelled", timeout=60_000)
         assert chart_points(page) == rounds_in_stats(page), "the chart is drawn whole at the end, however soon"

@@ -1,4 +1,4 @@
-"""The live views' own update channel (app/live.py) and how a generation's views use it (app/ui.py Streamed,
+"""The live views' own update channel (app/live.py) and how a generation's views use it (app/views.py Streamed,
 ChatViews): no models, no browser (tests/test_app.py has the page reading it)."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from starlette.applications import Starlette
 from starlette.testclient import TestClient
 
 from app.live import Channels
-from app.ui import ChatViews, Streamed
+from app.views import ChatViews, Streamed
 
 
 def served(channels: Channels) -> TestClient:

@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 
 from app import render
+from app.handlers import Cancels, InputError, _text, prompt_text, settings
 from app.pairs import NO_DRAFTER, Pairs, SpaceModeError
 from app.space import SPACE_MODELS_ENV, SpaceModelsError, space_mode
-from app.ui import Cancels, InputError, _text, prompt_text, settings
 from usd.events import Finished, Piece, Round, Stats
 from usd.loading import LoadError
 from usd.theory import expected_speedup
@@ -174,7 +174,7 @@ class _StubPairs:
 def _fake_engine(monkeypatch, speculative_ids):
     """api.stream answers [1, 2, 3] plain and `speculative_ids` otherwise; returns the settings it was given and the
     divergence questions asked."""
-    from app import ui
+    from app import handlers
     from usd.numerics import Divergence
 
     streamed, asked = [], []
@@ -187,13 +187,13 @@ def _fake_engine(monkeypatch, speculative_ids):
         asked.append((pair, tuple(ids), position, prompt, chat_mode))
         return Divergence(position, 0.01, 0.05, "bfloat16")
 
-    monkeypatch.setattr(ui.api, "stream", stream)
-    monkeypatch.setattr(ui.api, "divergence", divergence)
+    monkeypatch.setattr(handlers.api, "stream", stream)
+    monkeypatch.setattr(handlers.api, "divergence", divergence)
     return streamed, asked
 
 
 def test_compare_asks_the_target_about_a_greedy_difference(monkeypatch):
-    from app.ui import Handlers
+    from app.handlers import Handlers
 
     streamed, asked = _fake_engine(monkeypatch, [1, 5, 3])
     *_, (_, _, summary) = Handlers(_StubPairs()).compare_stream("hi", settings("tli", "4", 0, 1, 0, None, 8))
@@ -203,7 +203,7 @@ def test_compare_asks_the_target_about_a_greedy_difference(monkeypatch):
 
 
 def test_compare_samples_both_columns_with_one_seed_and_asks_nothing(monkeypatch):
-    from app.ui import Handlers
+    from app.handlers import Handlers
 
     streamed, asked = _fake_engine(monkeypatch, [1, 5, 3])
     *_, (_, _, summary) = Handlers(_StubPairs()).compare_stream("hi", settings("slem", "auto", 0.8, 1, 0, None, 8))
@@ -476,7 +476,7 @@ def test_space_requirements_match_the_package_dependencies():
 def test_background_stream_keeps_order_raises_errors_and_cancels_when_abandoned():
     import threading
 
-    from app.ui import in_background
+    from app.views import in_background
 
     cancel = threading.Event()
     batches = list(in_background(lambda: iter(range(50)), cancel, 0.5))
@@ -613,14 +613,14 @@ def test_the_warning_names_the_cost_its_numbers_show():
 
 
 def test_the_chart_legend_says_what_its_lines_are():
-    from app.ui import live_view
+    from app.views import live_view
 
     view = live_view("live", ("tokens", "stats", "chart"))
     assert "drafted tokens accepted" in view.html_template and "tokens emitted" in view.html_template
 
 
 def test_the_live_view_is_sent_its_new_chart_rows_and_every_row_at_the_end():
-    from app.ui import ChatViews
+    from app.views import ChatViews
 
     views, live = ChatViews([]), render.Live("tli")
     spec = with_stats([spec_round(i, ["a"], [], "b", "bonus") for i in range(3)])
@@ -640,10 +640,10 @@ def test_the_chat_streams_two_outputs_and_the_message_box_is_not_one_of_them():
     chat streams into the chat and one live view, and the box is emptied by an event of its own before it."""
     import gradio as gr
 
-    from app.ui import _chat_tab
+    from app.chat_tab import chat_tab
 
     with gr.Blocks():
-        chat = _chat_tab()
+        chat = chat_tab()
     assert chat.outputs == [chat.chatbot, chat.live]
     assert chat.box not in chat.outputs
 
@@ -657,10 +657,11 @@ def test_a_chat_that_is_not_due_puts_nothing_on_the_wire():
     import gradio as gr
     from gradio.state_holder import SessionState
 
-    from app.ui import ChatViews, _chat_tab
+    from app.chat_tab import chat_tab
+    from app.views import ChatViews
 
     with gr.Blocks() as demo:
-        chat = _chat_tab()
+        chat = chat_tab()
         gr.Button().click(lambda: None, None, chat.outputs)
     fn, state = demo.fns[max(demo.fns)], SessionState(demo)
 
@@ -702,7 +703,7 @@ def test_the_token_view_is_sent_only_its_new_pieces_and_the_whole_answer_at_the_
 def test_background_stream_merges_the_rounds_between_updates():
     import threading
 
-    from app.ui import in_background
+    from app.views import in_background
 
     def rounds():
         for i in range(40):
@@ -720,7 +721,7 @@ def test_background_stream_merges_the_rounds_between_updates():
 def test_an_engine_bug_reaches_the_ui_as_a_request_for_a_report_not_as_bad_input():
     import gradio as gr
 
-    from app.ui import shown_to_user
+    from app.handlers import shown_to_user
     from usd.errors import InternalError
 
     def broken():
@@ -744,19 +745,19 @@ def test_views_update_less_often_where_the_engine_has_a_thread_on_every_core(mon
     or through Gradio."""
     from types import SimpleNamespace
 
-    from app import ui
+    from app import views
 
-    monkeypatch.setattr(ui, "cpu_threads", lambda: 4)
+    monkeypatch.setattr(views, "cpu_threads", lambda: 4)
     on = lambda threads: SimpleNamespace(cpu_threads=lambda: threads)  # noqa: E731  (a pair's target runner says)
     for channel, calm, busy in (
-        (True, ui.PACE, ui.BUSY_CORES_PACE),
-        (False, ui.GRADIO_PACE, ui.BUSY_CORES_GRADIO_PACE),
+        (True, views.PACE, views.BUSY_CORES_PACE),
+        (False, views.GRADIO_PACE, views.BUSY_CORES_GRADIO_PACE),
     ):
         assert busy.live > calm.live and busy.chat >= calm.chat
-        assert ui.pace(on(4), channel) == busy  # on every core
-        assert ui.pace(on(2), channel) == calm  # cores to spare for the page
-        assert ui.pace(on(None), channel) == calm  # a GPU
-    assert ui.BUSY_CORES_PACE.live < 1.0, "the token view updates a few times a second even there"
+        assert views.pace(on(4), channel) == busy  # on every core
+        assert views.pace(on(2), channel) == calm  # cores to spare for the page
+        assert views.pace(on(None), channel) == calm  # a GPU
+    assert views.BUSY_CORES_PACE.live < 1.0, "the token view updates a few times a second even there"
 
 
 def test_runners_say_which_threads_of_this_cpu_they_compute_on(monkeypatch):

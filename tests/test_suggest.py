@@ -299,8 +299,9 @@ def test_pair_tab_ranking_handler_shows_table_chart_and_loadable_picks(catalog, 
     import gradio as gr
 
     from app import suggest_ui
+    from app.handlers import Handlers
     from app.pairs import Pairs
-    from app.ui import Handlers, build
+    from app.ui import build
 
     v = {k: 1.0 + 0.1 * k for k in range(1, 9)}
     measured = [

@@ -106,7 +106,7 @@ def servers_own_answer(url: str, prompt: str, n: int) -> str:
 
 
 def test_a_chat_streams_the_servers_own_answer_and_the_stats_name_what_it_did_not_report(server, ui):
-    # long enough to span a few of the UI's updates (app/ui.py UPDATE_S), and to end at max_tokens
+    # long enough to span a few of the UI's updates (app/views.py, its pace), and to end at max_tokens
     job = ui.submit(prompt=COUNTING, max_new_tokens=44, api_name="/generate")
     updates = list(job)
     text, pieces, stats = job.result()
@@ -119,7 +119,7 @@ def test_a_chat_streams_the_servers_own_answer_and_the_stats_name_what_it_did_no
 
 def test_the_panel_says_which_numbers_the_server_did_not_report(app):
     from app import remote
-    from app.ui import Handlers
+    from app.handlers import Handlers
 
     h = Handlers(app[0], stream=remote.stream)
     *_, (_, live) = h.chat_send("Say hello.", [], "auto", "auto", 0, 1, 0, None, 8, _request("panel"))
@@ -137,7 +137,8 @@ def _request(session: str):
 
 def test_stop_cancels_the_servers_answer(app, server):
     from app import remote
-    from app.ui import STOPPED, Handlers
+    from app.handlers import Handlers
+    from app.views import STOPPED
 
     h = Handlers(app[0], stream=remote.stream)
     request = _request("stop")
