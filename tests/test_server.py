@@ -268,9 +268,9 @@ def test_the_app_serves_the_ui_and_v1_side_by_side(pair, expected, monkeypatch):
 
     monkeypatch.setenv("GRADIO_ANALYTICS_ENABLED", "False")
     monkeypatch.setattr(usd.api, "load_pair", lambda *a, **k: pair)  # the module's pair: no second load
-    demo, pairs = create(log=lambda *_: None, api_key=KEY)
+    page, pairs = create(log=lambda *_: None, api_key=KEY)
     port = free_port()
-    launch(demo, "127.0.0.1", port, concurrency=1, max_queue=16, prevent_thread_lock=True, quiet=True)
+    launch(page, "127.0.0.1", port, concurrency=1, max_queue=16, prevent_thread_lock=True, quiet=True)
     try:
         ui = Client(f"http://127.0.0.1:{port}/", verbose=False)
         v1 = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=KEY, max_retries=0, timeout=300)
@@ -294,7 +294,7 @@ def test_the_app_serves_the_ui_and_v1_side_by_side(pair, expected, monkeypatch):
         assert out["ui"][0] == want and out["v1"].choices[0].message.content == want
         assert v1.models.list().data[0].id == pair.target_name
     finally:
-        demo.close()
+        page.demo.close()
 
 
 def test_the_app_as_a_front_end_for_usd_serve_shows_pieces_and_stats(tmp_path, real_paths, expected):
@@ -312,7 +312,7 @@ def test_the_app_as_a_front_end_for_usd_serve_shows_pieces_and_stats(tmp_path, r
         stdout=log,
         stderr=subprocess.STDOUT,
     )
-    demo = None
+    page = None
     try:
         url = f"http://127.0.0.1:{port}/v1"
         deadline = time.time() + 300
@@ -323,9 +323,9 @@ def test_the_app_as_a_front_end_for_usd_serve_shows_pieces_and_stats(tmp_path, r
                 if httpx.get(f"{url}/models", headers={"Authorization": f"Bearer {KEY}"}, timeout=5).is_success:
                     break
             time.sleep(1)
-        demo, _ = create(backend=url, api_key=KEY, log=lambda *_: None)
+        page, _ = create(backend=url, api_key=KEY, log=lambda *_: None)
         app_port = free_port()
-        launch(demo, "127.0.0.1", app_port, prevent_thread_lock=True, quiet=True)
+        launch(page, "127.0.0.1", app_port, prevent_thread_lock=True, quiet=True)
         ui = Client(f"http://127.0.0.1:{app_port}/", verbose=False)
         job = ui.submit(prompt=ASK[0]["content"], algorithm="slem", max_new_tokens=N, api_name="/generate")
         updates = list(job)
@@ -337,8 +337,8 @@ def test_the_app_as_a_front_end_for_usd_serve_shows_pieces_and_stats(tmp_path, r
         assert stats["tokens"] == N and stats["stop_reason"] == "max_tokens" and stats["rounds"] >= 1
         assert stats["acceptance_rate"] is not None and stats["tokens_per_round"] >= 1
     finally:
-        if demo is not None:
-            demo.close()
+        if page is not None:
+            page.demo.close()
         proc.terminate()
         proc.wait(timeout=30)
         log.close()
