@@ -20,7 +20,7 @@ import time
 import numpy as np
 
 from usd.catalog import load_catalog
-from usd.runners import llamacpp
+from usd.runners import cpu_threads, llamacpp
 from usd.runners.llamacpp import binding
 from usd.store import gguf_file
 
@@ -89,7 +89,7 @@ def main() -> None:
             table[(repacked, exact)] = costs(model, repacked, ids, args.cached, exact, args.repeats)
         model.close()
     binding.set_exact_rows(llamacpp.EXACT_ROWS)
-    threads = llamacpp.cpu_threads()
+    threads = cpu_threads()
     bandwidth = read_bandwidth(threads)
     floor = step_bytes(path) / bandwidth
     step = table[(True, True)][0][1]

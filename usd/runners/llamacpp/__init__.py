@@ -2,7 +2,7 @@
 `kernels.py`. `binding` loads the library, `model` the GGUF, `pool` and `cache` hold its llama.cpp contexts, `context`
 is the decoding context the loop drives, `checks` compares the runner with llama.cpp's own generate."""
 
-from .binding import BUILD_ARGS, EXACT_ROWS, INSTALL_HINT, LlamaCppUnavailable, available, cpu_threads, exact_rows
+from .binding import BUILD_ARGS, EXACT_ROWS, INSTALL_HINT, LlamaCppUnavailable, available, exact_rows
 from .checks import batch_invariance, llama_with_our_attention
 from .kernels import GEMM_ROWS, N_BATCH, PREFILL, PREFILL_MIN_ROWS, ROW, TAIL, Batching, Kernel
 from .model import N_CTX_CAP, LlamaCppModel, row_gaps
@@ -26,7 +26,6 @@ __all__ = [
     "LlamaCppUnavailable",
     "available",
     "batch_invariance",
-    "cpu_threads",
     "exact_rows",
     "llama_with_our_attention",
     "row_gaps",

@@ -9,8 +9,6 @@ import os
 import threading
 from importlib.metadata import version
 
-from .. import cpu_threads  # noqa: F401  (re-exported: the threads llama.cpp computes on by default)
-
 GGML_TYPE_F16, GGML_TYPE_BF16 = 1, 30  # ggml.h's enum ggml_type (the binding names no BF16)
 NO_AMX = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
 """Compiler flags that leave llama.cpp's AMX kernels out of a build for the builder's own CPU (see `_refuse_amx`)."""

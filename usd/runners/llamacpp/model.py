@@ -11,10 +11,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from .. import cpu_threads
 from .binding import (
     GGML_TYPE_BF16,
     GGML_TYPE_F16,
-    cpu_threads,
     exact_rows,
     exact_rows_off,
     exact_rows_why,
