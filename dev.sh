@@ -28,13 +28,19 @@ llama_patch=patches/llama-cpp-python-exact-rows.patch
 # usd-chat does not use, and without llama.cpp's AMX kernels, which -march=native turns on where the CPU reports AMX:
 # built by GCC 12 their tile config loses its stores and the first tile load dies with a general protection fault, and
 # where that is mended they measured slower than the exact-rows kernels on two cores (usd/runners/llamacpp/binding.py).
+# Without OpenMP: llama.cpp's own threads run a step as fast from the app's worker threads as from the thread that
+# loaded the model, and OpenMP's do not (binding.py, OPENMP_HINT).
 install_llama_cpp() {
-    if "$py" -c "import ctypes, llama_cpp; ctypes.CDLL('libggml-cpu.so.0').ggml_cpu_set_exact_rows" >/dev/null 2>&1 \
+    local no_amx="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16" key wheels src ours cmake_args
+    ours="-DLLAVA_BUILD=OFF -DGGML_OPENMP=OFF -DCMAKE_C_FLAGS='$no_amx' -DCMAKE_CXX_FLAGS='$no_amx'"
+    cmake_args="${CMAKE_ARGS:-$ours}"
+    if "$py" -c "import ctypes, llama_cpp; ctypes.CDLL('libggml-cpu.so.0').ggml_cpu_set_exact_rows
+assert b'OPENMP = 1' not in llama_cpp.llama_print_system_info()" >/dev/null 2>&1 \
         && [ ! "$llama_patch" -nt "$stamp" ]; then
         return
     fi
-    local key wheels src no_amx="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
-    key="$(cat "$llama_patch" <(grep -m1 '^flags' /proc/cpuinfo 2>/dev/null || uname -m) | sha256sum | cut -c1-16)"
+    key="$(cat "$llama_patch" <(echo "$cmake_args") <(grep -m1 '^flags' /proc/cpuinfo 2>/dev/null || uname -m) \
+        | sha256sum | cut -c1-16)"
     wheels="${XDG_CACHE_HOME:-$HOME/.cache}/usd-chat/wheels/llama-cpp-python-$key"
     if ! ls "$wheels"/*.whl >/dev/null 2>&1; then
         echo "building llama.cpp from source (llama-cpp-python with $llama_patch, for precision gguf); this takes" \
@@ -45,8 +51,8 @@ install_llama_cpp() {
         tar xzf "$src"/llama_cpp_python-*.tar.gz -C "$src"
         (cd "$src"/llama_cpp_python-*/ && git apply -p1 "$OLDPWD/$llama_patch")
         rm -rf "$wheels.part"
-        CMAKE_ARGS="${CMAKE_ARGS:--DLLAVA_BUILD=OFF -DCMAKE_C_FLAGS='$no_amx' -DCMAKE_CXX_FLAGS='$no_amx'}" \
-            "$py" -m pip wheel -q --disable-pip-version-check --no-deps -w "$wheels.part" "$src"/llama_cpp_python-*/
+        CMAKE_ARGS="$cmake_args" "$py" -m pip wheel -q --disable-pip-version-check --no-deps -w "$wheels.part" \
+            "$src"/llama_cpp_python-*/
         mkdir -p "$(dirname "$wheels")" && mv "$wheels.part" "$wheels"
         rm -rf "$src"
         trap - EXIT
@@ -54,7 +60,8 @@ install_llama_cpp() {
     "$py" -m pip install -q --disable-pip-version-check --force-reinstall --no-deps "$wheels"/*.whl
 }
 
-if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ "$llama_patch" -nt "$stamp" ]; then
+if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ "$llama_patch" -nt "$stamp" ] \
+    || [ dev.sh -nt "$stamp" ]; then
     "$py" -m pip install -q --disable-pip-version-check --upgrade pip
     if [ -z "${TORCH_SPEC:-}" ]; then
         if command -v nvidia-smi >/dev/null 2>&1; then TORCH_SPEC="torch"; else TORCH_SPEC="torch==2.13.0"; fi

@@ -204,9 +204,9 @@ def engine(algorithm: str, prompt: str, tokens: int, args) -> dict:
 
 
 def engine_on_a_thread(algorithm: str, prompt: str, tokens: int, args) -> dict:
-    """The same generation in a fresh process through the Python API on a worker thread, as the app runs it (on this
-    machine, under load, decoding on a process's main thread, as `usd generate` does, measured several times slower
-    than on another thread): first token to last from the rounds' own times."""
+    """The same generation in a fresh process through the Python API on a worker thread, as the app runs it (a
+    thread other than the loading one once decoded far slower: docs/benchmarks.md, "llama.cpp on its own threads"):
+    first token to last from the rounds' own times."""
     command = [sys.executable, __file__, "--worker-engine", algorithm, "--tokens", str(tokens), "--prompt", prompt]
     for name in ("target", "drafter"):
         if getattr(args, name):

@@ -112,6 +112,38 @@ def test_ci_builds_the_exact_rows_patch(gguf):
 
 
 @needs_llama
+def test_ci_builds_llama_cpp_on_its_own_threads():
+    """dev.sh (and so CI) builds llama.cpp without OpenMP. With it, llama.cpp shares libgomp with torch, and a step run
+    on a thread other than the one that first used OpenMP (the app's and the server's worker threads) was far slower
+    than the same step on that thread (binding.OPENMP_HINT)."""
+    from usd.runners.llamacpp import binding
+
+    assert b"OPENMP = 1" not in binding.library().llama_print_system_info()
+    assert binding.threads_why() == ""
+
+
+@pytest.mark.real_models
+@needs_llama
+def test_each_llama_context_keeps_a_pool_of_llama_cpps_own_threads(gguf):
+    """Without a kept pool, llama.cpp on its own threads starts and joins them at every call, which measured slower
+    (binding.Threadpools)."""
+    for name in (QWEN, SMOL):
+        assert all(free_pool is not None for _, _, free_pool in gguf[name][0]._handles)
+
+
+@pytest.mark.real_models
+@needs_llama
+def test_a_build_with_openmp_says_what_it_costs_in_the_load_line(gguf, monkeypatch):
+    """pip's own build runs llama.cpp on OpenMP: the load line says that its worker threads decode slower and how to
+    build it on its own threads."""
+    from usd.runners.llamacpp import binding
+
+    monkeypatch.setitem(binding._state, "openmp", True)
+    why = gguf[QWEN][0].rule_why
+    assert binding.OPENMP_HINT in why and "./dev.sh setup" in why
+
+
+@needs_llama
 def test_a_build_without_the_patch_runs_on_the_unpatched_rule_and_says_so(monkeypatch):
     """pip's own build of llama-cpp-python (a Space's requirements.txt, a plain pip install) has no exact rows: the
     runner takes the unpatched rule, and the load line says what that gives up and how to get the patch."""

@@ -166,3 +166,34 @@ def test_the_runner_a_precision_loads_on_is_asked_of_the_registry_alone():
     allowed = {"catalog.py", "registry.py"}
     files = [p for d in ("usd", "app") for p in (root / d).rglob("*.py") if p.name not in allowed]
     assert [hit for p in files for hit in _precision_compares(p)] == []
+
+
+def test_torch_computes_on_one_thread_while_no_model_of_the_process_runs_on_torch(monkeypatch):
+    """A llama.cpp model's decode loop wakes torch's threads only for small operations, and their spinning slowed the
+    next llama.cpp step (usd/runners/torch_threads.py): torch gets one thread while no model computes on torch, and
+    its own count back while one does."""
+    import gc
+    import weakref
+
+    from usd.runners import torch_threads
+
+    class LlamaCppStandIn:
+        pass
+
+    before = torch.get_num_threads()
+    monkeypatch.setattr(torch_threads, "_on_torch", weakref.WeakSet())
+    monkeypatch.setattr(torch_threads, "_default", [2])
+    try:
+        torch_threads.follow(LlamaCppStandIn(), on_torch=False)
+        assert torch.get_num_threads() == 1
+        on_torch = torch.nn.Linear(1, 1)
+        torch_threads.follow(on_torch, on_torch=True)
+        assert torch.get_num_threads() == 2
+        torch_threads.follow(LlamaCppStandIn(), on_torch=False)
+        assert torch.get_num_threads() == 2, "a model on torch is still held"
+        del on_torch
+        gc.collect()
+        torch_threads.follow(LlamaCppStandIn(), on_torch=False)
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from .catalog import Catalog, DevicePrecision, HubSource, ModelEntry, PathSource, Precision, load_catalog
-from .runners import runner_for
+from .runners import runner_for, torch_threads
 from .runners.registry import backend_of
 from .store import StoreError, cache_dir, local_path, pull
 
@@ -414,7 +414,10 @@ def load_model(
     log(f"loading {entry.name}: {plan.describe()}")
     # before the weights: a missing tokenizer then fails in seconds, not after a load that can take minutes
     tokenizer = load_tokenizer(entry, path)
-    return backend_of(plan.precision).load_model(entry, path, plan, tokenizer, log)
+    backend = backend_of(plan.precision)
+    loaded = backend.load_model(entry, path, plan, tokenizer, log)
+    torch_threads.follow(loaded.model, on_torch=backend.on_torch)
+    return loaded
 
 
 def needs_conversion(entry: ModelEntry, device: str, precision: Precision | None = None) -> bool:

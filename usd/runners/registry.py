@@ -33,6 +33,8 @@ class Backend:
     """"module:function" (entry, precision, device, config) -> bytes: the memory a load takes."""
     load: str
     """"module:function" (entry, path, plan, tokenizer, log) -> LoadedModel."""
+    on_torch: bool
+    """Its forwards compute on torch, whose thread count follows the models loaded (runners/torch_threads.py)."""
 
     def available(self) -> bool:
         """Whether its library is installed (the package's `available()`; a package without one always is)."""
@@ -65,6 +67,7 @@ LLAMACPP = Backend(
     package="usd.runners.llamacpp",
     estimate="usd.loading:gguf_bytes",
     load="usd.loading:load_gguf",
+    on_torch=False,
 )
 TRANSFORMERS = Backend(
     name="transformers",
@@ -76,6 +79,7 @@ TRANSFORMERS = Backend(
     package="usd.runners.transformers",
     estimate="usd.loading:torch_bytes",
     load="usd.loading:load_transformers",
+    on_torch=True,
 )
 BACKENDS = (LLAMACPP, TRANSFORMERS)
 

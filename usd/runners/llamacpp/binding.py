@@ -4,17 +4,23 @@ error messages, and how to install it when it is missing."""
 from __future__ import annotations
 
 import ctypes
+import functools
 import importlib.util
 import os
 import threading
+from collections.abc import Callable
 from importlib.metadata import version
+
+from ...errors import InternalError
 
 GGML_TYPE_F16, GGML_TYPE_BF16 = 1, 30  # ggml.h's enum ggml_type (the binding names no BF16)
 NO_AMX = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
 """Compiler flags that leave llama.cpp's AMX kernels out of a build for the builder's own CPU (see `_refuse_amx`)."""
+NO_OPENMP = "-DGGML_OPENMP=OFF"
+"""llama.cpp on its own threads instead of OpenMP's (see `OPENMP_HINT`)."""
 BUILD_ARGS = (
     "-DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_TOOLS=OFF -DLLAMA_BUILD_EXAMPLES=OFF "
-    f"-DLLAMA_BUILD_TESTS=OFF -DLLAMA_CURL=OFF -DCMAKE_C_FLAGS='{NO_AMX}' -DCMAKE_CXX_FLAGS='{NO_AMX}'"
+    f"-DLLAMA_BUILD_TESTS=OFF -DLLAMA_CURL=OFF {NO_OPENMP} -DCMAKE_C_FLAGS='{NO_AMX}' -DCMAKE_CXX_FLAGS='{NO_AMX}'"
 )
 INSTALL_HINT = (
     "precision gguf runs the model's GGUF on llama.cpp, through llama-cpp-python, which is not installed. It builds "
@@ -33,6 +39,16 @@ PATCH_HINT = (
     "llama.cpp without usd-chat's exact-rows patch (pip's own build): a verify runs in calls of at most 3 tokens, "
     "so it costs about a plain step per token; ./dev.sh setup builds the patched llama.cpp"
 )
+
+OPENMP_HINT = (
+    "llama.cpp built with OpenMP (as pip builds it): a step run on a thread other than the one that first used OpenMP "
+    "in this process (the app's and the server's worker threads) is slower; ./dev.sh setup builds llama.cpp on its "
+    "own threads"
+)
+"""Why: llama.cpp's barriers are then OpenMP barriers, and libgomp (one copy per process, shared with torch) keeps a
+pool of threads for every thread that opens a parallel region. Once those outnumber the CPUs, libgomp makes a waiting
+thread sleep almost at once instead of spinning, and a step has hundreds of barriers; no environment variable lifts
+that. docs/benchmarks.md ("llama.cpp on its own threads") has the measurement."""
 
 
 class LlamaCppUnavailable(ImportError):
@@ -69,6 +85,8 @@ def library():
         llama_cpp.llama_backend_init()
         _state.update(lib=llama_cpp, log=log, errors=errors)  # the callback must outlive every call into llama.cpp
         _state.update(_exact_rows())
+        _state["openmp"] = b"OPENMP = 1" in llama_cpp.llama_print_system_info()
+        _state["threadpools"] = None if _state["openmp"] else Threadpools(llama_cpp.llama_cpp._lib)
         return llama_cpp
 
 
@@ -110,6 +128,64 @@ def exact_rows_why() -> str:
     """Why exact rows are off (empty when on)."""
     library()
     return _state["exact_why"]
+
+
+def threads_why() -> str:
+    """What the build's threading costs (empty for llama.cpp on its own threads)."""
+    library()
+    return OPENMP_HINT if _state["openmp"] else ""
+
+
+GGML_MAX_N_THREADS = 512  # ggml.h
+
+
+class _ThreadpoolParams(ctypes.Structure):
+    """ggml.h's struct ggml_threadpool_params."""
+
+    _fields_ = [
+        ("cpumask", ctypes.c_bool * GGML_MAX_N_THREADS),
+        ("n_threads", ctypes.c_int),
+        ("prio", ctypes.c_int),
+        ("poll", ctypes.c_uint32),
+        ("strict_cpu", ctypes.c_bool),
+        ("paused", ctypes.c_bool),
+    ]
+
+
+class Threadpools:
+    """Pools of llama.cpp's own threads, one per context for its whole life, on a build without OpenMP. A context
+    without one starts and joins its threads at every llama_decode, which measured slower than a kept pool
+    (docs/benchmarks.md, "llama.cpp on its own threads")."""
+
+    def __init__(self, libllama):
+        # by name, as in _exact_rows: the copies libllama loaded
+        base, cpu = ctypes.CDLL("libggml-base.so.0"), ctypes.CDLL("libggml-cpu.so.0")
+        self._init = base.ggml_threadpool_params_init
+        self._init.argtypes, self._init.restype = [ctypes.POINTER(_ThreadpoolParams), ctypes.c_int], None
+        self._new = cpu.ggml_threadpool_new
+        self._new.argtypes, self._new.restype = [ctypes.POINTER(_ThreadpoolParams)], ctypes.c_void_p
+        self._free = cpu.ggml_threadpool_free
+        self._free.argtypes, self._free.restype = [ctypes.c_void_p], None
+        self._attach = libllama.llama_attach_threadpool
+        self._attach.argtypes, self._attach.restype = [ctypes.c_void_p] * 3, None
+
+    def attach_new(self, ctx, n_threads: int) -> Callable[[], None]:
+        """A new pool of `n_threads` attached to llama.cpp context `ctx`; returns what frees it, after the context."""
+        if not 1 <= n_threads <= GGML_MAX_N_THREADS:
+            raise InternalError(f"a llama.cpp thread pool of {n_threads} threads")
+        params = _ThreadpoolParams()
+        self._init(ctypes.byref(params), n_threads)
+        pool = self._new(ctypes.byref(params))
+        if not pool:
+            raise RuntimeError(f"llama.cpp could not start {n_threads} threads{last_errors()}")
+        self._attach(ctx, pool, pool)
+        return functools.partial(self._free, pool)
+
+
+def threadpools() -> Threadpools | None:
+    """Where contexts get kept pools of llama.cpp's own threads (None on an OpenMP build: its threads are OpenMP's)."""
+    library()
+    return _state["threadpools"]
 
 
 def _refuse_amx(system_info: bytes) -> None:

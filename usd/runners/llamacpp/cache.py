@@ -9,7 +9,7 @@ from typing import Protocol
 import numpy as np
 
 from ...errors import InternalError
-from .binding import last_errors
+from .binding import last_errors, threadpools
 from .kernels import N_BATCH, ROW, Batching, Kernel
 
 N_OUTPUTS = 32
@@ -31,8 +31,10 @@ class LlamaCache:
         ctx = lib.llama_init_from_model(model, params)
         if not ctx:
             raise RuntimeError(f"llama.cpp could not create a context for {path}{last_errors()}")
+        pools = threadpools()
+        free_pool = pools.attach_new(ctx, params.n_threads) if pools is not None else None
         batch = lib.llama_batch_init(N_BATCH, 0, 1)
-        handles.append((ctx, batch))
+        handles.append((ctx, batch, free_pool))
         self._lib, self._ctx, self._batch, self._mem = lib, ctx, batch, lib.llama_get_memory(ctx)
         self.n_ctx, self.n_vocab, self.batching, self.path = lib.llama_n_ctx(ctx), n_vocab, batching, path
         self.kv: list[int] = []

@@ -20,6 +20,7 @@ from .binding import (
     exact_rows_why,
     last_errors,
     library,
+    threads_why,
 )
 from .cache import N_OUTPUTS, LlamaCache
 from .context import LlamaCppContext
@@ -125,9 +126,9 @@ class LlamaCppModel:
 
     @property
     def rule_why(self) -> str:
-        """Why the unpatched rule runs (": ..."), or nothing."""
-        why = "" if self.batching.exact_rows else exact_rows_why()
-        return f": {why}" if why else ""
+        """Why the unpatched rule runs, and what the build's threads cost (": ..."), or nothing."""
+        whys = [why for why in ("" if self.batching.exact_rows else exact_rows_why(), threads_why()) if why]
+        return f": {'; '.join(whys)}" if whys else ""
 
     def new_context(self, ids: list[int]) -> LlamaCppContext:
         return LlamaCppContext(self.batching, self.pool, ids)
@@ -178,7 +179,9 @@ _exact_rows_checked = False
 
 
 def _free(lib, model, handles: list) -> None:
-    for ctx, batch in handles:
+    for ctx, batch, free_pool in handles:
         lib.llama_batch_free(batch)
         lib.llama_free(ctx)
+        if free_pool is not None:  # after its context, which may still point to it
+            free_pool()
     lib.llama_model_free(model)
