@@ -241,21 +241,10 @@ class Handlers:
         return "", message
 
     @shown_to_user
-    def chat_send(
-        self,
-        message,
-        history,
-        algorithm,
-        draft_tokens,
-        temperature,
-        top_p,
-        top_k,
-        seed,
-        max_new_tokens,
-        request: gr.Request,
-    ):
+    def chat_send(self, request: gr.Request, message, history, *knobs):
+        """`knobs`: the settings' values, in KNOBS' order (the request first: Gradio passes it by position)."""
         history = list(history or [])
-        prompt, s = self.checked(message, knobs_of(locals()))
+        prompt, s = self.checked(message, knobs)
         messages = [{"role": m["role"], "content": _text(m["content"]).removesuffix(STOPPED)} for m in history]
         messages.append({"role": "user", "content": prompt})
         session = request.session_hash if request else "api"
@@ -302,10 +291,9 @@ class Handlers:
         return api.divergence(self.pairs.current(), plain.finished.target_ids, first, prompt, chat_mode=True)
 
     @shown_to_user
-    def compare_ui(
-        self, prompt, algorithm, draft_tokens, temperature, top_p, top_k, seed, max_new_tokens, request: gr.Request
-    ):
-        prompt, s = self.checked(prompt, knobs_of(locals()))
+    def compare_ui(self, request: gr.Request, prompt, *knobs):
+        """`knobs`: the settings' values, in KNOBS' order (as `chat_send`)."""
+        prompt, s = self.checked(prompt, knobs)
         scope = self.scope(request)
         plain_feed, spec_feed = render.LiveFeed(), render.LiveFeed()
         plain_view, spec_view = Streamed(self.channels), Streamed(self.channels)

@@ -25,7 +25,7 @@ from usd import decoder
 from usd.bench.run import _ids, forget_caches
 from usd.datasets import load_prompts
 from usd.runners import llamacpp
-from usd.sampling import SamplingParams
+from usd.settings import GenerationSettings
 
 MAX_NEW = 64
 
@@ -61,7 +61,7 @@ def main(dataset: str, n: int, repacked: bool) -> int:
     for prompt in prompts:
         t_ids, d_ids = _ids(pair, prompt)
         forget_caches(pair)
-        *_, done = decoder.stream(pair, t_ids, d_ids, algorithm="none", params=SamplingParams(), max_new_tokens=MAX_NEW)
+        *_, done = decoder.stream(pair, t_ids, d_ids, GenerationSettings(algorithm="none", max_new_tokens=MAX_NEW))
         ours = list(done.target_ids)
         llm.reset()
         theirs: list[int] = []

@@ -95,13 +95,20 @@ def speculation_check(lm) -> dict:
     from usd.decoder import stream
     from usd.numerics import divergence
     from usd.pair import Pair
+    from usd.settings import GenerationSettings
 
     pair = Pair(lm.model, lm.tokenizer, lm.model, lm.tokenizer, "check", "check")
     ids = lm.tokenizer.encode("speculative decoding is")
     answers, seconds = {}, {}
     for algorithm, k in (("none", None), ("standard", 4)):
         t0 = time.perf_counter()
-        *_, done = stream(pair, ids, ids, algorithm=algorithm, k=k, max_new_tokens=32, probe_first=False)
+        *_, done = stream(
+            pair,
+            ids,
+            ids,
+            GenerationSettings(algorithm=algorithm, draft_tokens=k, max_new_tokens=32),
+            probe_first=False,
+        )
         seconds[algorithm], answers[algorithm] = round(time.perf_counter() - t0, 3), list(done.target_ids)
     plain, spec = answers["none"], answers["standard"]
     row = {

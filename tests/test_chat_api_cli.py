@@ -23,7 +23,7 @@ import torch
 import usd
 from usd import chat
 from usd.cli import main
-from usd.pair import Pair
+from usd.pair import Pair, PairMemory
 
 QWEN, SMOL, GEMMA = "qwen2.5-coder-0.5b-instruct", "smollm2-135m-instruct", "gemma-3-270m"
 HELLO = [{"role": "user", "content": "Hello"}]
@@ -189,14 +189,14 @@ def test_prompt_ids_per_rendering(real_tokenizers):
 
 
 def test_choose_rendering_tries_each_twice_then_keeps_the_better():
-    memory: dict = {}
+    memory = PairMemory()
     seen = []
     for accepted in (3, 2, 8, 6):  # own: 5/20, stripped: 14/20
         r = chat.choose_rendering(memory, "auto")
         seen.append(r)
         chat.record_rendering(memory, r, accepted, 10)
     assert seen == ["own", "own", "stripped", "stripped"]
-    assert memory["rendering"] == {"own": [2, 5, 20], "stripped": [2, 14, 20]}
+    assert memory.rendering == {"own": [2, 5, 20], "stripped": [2, 14, 20]}
     assert chat.choose_rendering(memory, "auto") == "stripped"
     # it keeps measuring the one it uses, and changes its mind when the numbers do
     chat.record_rendering(memory, "stripped", 0, 40)
@@ -204,15 +204,15 @@ def test_choose_rendering_tries_each_twice_then_keeps_the_better():
 
 
 def test_choose_rendering_ignores_generations_that_drafted_nothing():
-    memory: dict = {}
+    memory = PairMemory()
     chat.record_rendering(memory, "own", 0, 0)
     chat.record_rendering(memory, "own", 0, 0)
     assert chat.choose_rendering(memory, "auto") == "own"  # still untried
-    assert memory["rendering"].get("own", [0, 0, 0])[0] == 0
+    assert memory.rendering.get("own", [0, 0, 0])[0] == 0
 
 
 def test_choose_rendering_explicit_and_invalid():
-    memory: dict = {"rendering": {"own": [5, 1, 10], "stripped": [5, 9, 10]}}
+    memory = PairMemory(rendering={"own": [5, 1, 10], "stripped": [5, 9, 10]})
     assert chat.choose_rendering(memory, "own") == "own"
     assert chat.choose_rendering(memory, "stripped") == "stripped"
     with pytest.raises(chat.PromptError, match="drafter rendering must be one of auto, own, stripped, got 'both'"):
@@ -238,7 +238,7 @@ def test_api_auto_rendering_alternates_and_never_changes_greedy_output(tiny):
         done = usd.generate(pair, messages=CONVERSATION, algorithm="tli", draft_tokens=3, max_new_tokens=6)
         assert done.stats.drafted > 0
         outputs.append(done.target_ids)
-        seen = pair.memory["rendering"]
+        seen = pair.memory.rendering
         tries.append({r: n for r, (n, _, _) in seen.items()})
         measured.append({r: a / d for r, (_, a, d) in seen.items()})
     assert tries[:4] == [{"own": 1}, {"own": 2}, {"own": 2, "stripped": 1}, {"own": 2, "stripped": 2}]
@@ -286,7 +286,7 @@ def test_a_seed_gives_plain_decodings_sample_with_slem_and_auto(tiny, algorithm,
     if algorithm == "auto":
         # costs at load that make drafting free: with the tiny models' own, auto's probing budget in a 12-token answer
         # (2% of it) may rightly allow no draft at all, and then the seed's tokens would not be checked under drafting
-        pair.memory["costs"] = {"step_s": 1e-3, "c": 0.0, "feed": 1e-6, "v": {str(k): 1.0 for k in range(1, 17)}}
+        pair.memory.costs = {"step_s": 1e-3, "c": 0.0, "feed": 1e-6, "v": {str(k): 1.0 for k in range(1, 17)}}
     drafted = 0
     for seed in range(4):
         # top-k keeps CDF boundaries far apart: a k+1-token verify forward rounds differently from single steps

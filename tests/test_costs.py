@@ -8,7 +8,7 @@ import json
 
 import pytest
 import tiny_tokenizers as tiny
-from tiny_pairs import tiny_pair
+from tiny_pairs import how, tiny_pair
 
 from usd import costs
 from usd.decoder import stream
@@ -67,12 +67,12 @@ def test_auto_never_drafts_with_the_model_where_it_cannot_pay_and_says_why_from_
     """Only the lookups, whose drafts cost nothing, may still speculate there (where the answer repeats the prompt)."""
     c, v = 0.3, {"1": 1.8, "2": 2.5, "4": 4.1}
     pair.memory.clear()
-    pair.memory["costs"] = {"step_s": 0.03, "c": c, "v": v}
+    pair.memory.costs = {"step_s": 0.03, "c": c, "v": v}
     ids = pair.target_tokenizer.encode("def fibonacci(n):")
     drafter_calls = []
     hook = pair.drafter.register_forward_hook(lambda *_: drafter_calls.append(1))
     try:
-        events = list(stream(pair, ids, algorithm="auto", max_new_tokens=12))
+        events = list(stream(pair, ids, None, how(algorithm="auto", max_new_tokens=12)))
     finally:
         hook.remove()
     rounds, done = events[:-1], events[-1]
@@ -106,14 +106,14 @@ def test_what_auto_learned_while_decoding_is_kept_for_the_next_process_on_this_m
 
     def restarted() -> Pair:
         fresh = Pair(pair.target, pair.target_tokenizer, pair.drafter, pair.drafter_tokenizer, *names)
-        fresh.memory["costs"] = dict(at_load)
+        fresh.memory.costs = dict(at_load)
         costs.restore_learned(fresh, tmp_path)
         return fresh
 
     names, step = ("tiny-target", "tiny-drafter"), 0.03
     at_load = {"step_s": step, "c": 0.14, "v": {"1": 1.53, "2": 1.9, "4": 2.6}, "feed": 0.01}
     first = restarted()
-    assert "schedule" not in first.memory and Schedule(first, "auto", "auto").bound is None
+    assert not first.memory.schedule and Schedule(first, "auto", "auto").bound is None
     s = Schedule(first, "auto", "auto")
     for _ in range(5):
         s.observe(RoundRecord("none", 0, 0, 0, verify_s=step))
@@ -130,4 +130,4 @@ def test_what_auto_learned_while_decoding_is_kept_for_the_next_process_on_this_m
     damaged = json.loads(cache.read_text())
     damaged[learned_key]["steps"] = {"0": ["x"]}
     cache.write_text(json.dumps(damaged))
-    assert "schedule" not in restarted().memory
+    assert not restarted().memory.schedule

@@ -16,7 +16,7 @@ import pytest
 import reference_sampling as reference
 import torch
 from scipy.stats import chisquare
-from tiny_pairs import tiny_pair
+from tiny_pairs import how, tiny_pair
 
 from usd.decoder import stream
 from usd.pair import Pair
@@ -45,7 +45,9 @@ def run(pair, ids, dids, algorithm, k=3):
     counts, drafted, accepted = {}, 0, 0
     for seed in range(N):
         params = SamplingParams(temperature=1.0, top_k=4, seed=seed)
-        *_, ev = stream(pair, ids, dids, algorithm=algorithm, k=k, params=params, max_new_tokens=2, probe_first=False)
+        *_, ev = stream(
+            pair, ids, dids, how(algorithm=algorithm, k=k, params=params, max_new_tokens=2), probe_first=False
+        )
         key = tuple(ev.target_ids)
         counts[key] = counts.get(key, 0) + 1
         drafted += ev.stats.drafted
@@ -110,7 +112,7 @@ def test_first_two_tokens_distributed_as_plain_sampling(pairs, key, algorithm, k
     assert 0.02 < alpha < 0.98, f"acceptance {alpha:.2f}: the test must exercise both accept and reject paths"
     assert_matches(counts, joint)
     if algorithm == "auto":  # it must really have switched between what it can do
-        assert {"none", "tli", "slem"} <= set(pair.memory["schedule"]["modes"])
+        assert {"none", "tli", "slem"} <= set(pair.memory.schedule["modes"])
 
 
 def test_plain_sampling_through_the_loop_matches_too(pairs):
@@ -132,4 +134,4 @@ def test_auto_mixing_the_lookup_and_the_drafter_models_algorithms_matches_too(pa
     counts, alpha = run(pair, echo, dids, "auto", 3)
     assert 0.02 < alpha < 0.98, f"acceptance {alpha:.2f}: the test must exercise both accept and reject paths"
     assert_matches(counts, joint)
-    assert {"none", "tli", "slem", "ngram"} <= set(pair.memory["schedule"]["modes"])
+    assert {"none", "tli", "slem", "ngram"} <= set(pair.memory.schedule["modes"])

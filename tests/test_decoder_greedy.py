@@ -9,6 +9,7 @@ import copy
 
 import pytest
 import torch
+from tiny_pairs import how
 
 from usd import api
 from usd.decoder import stream
@@ -83,7 +84,7 @@ def test_every_algorithm_equals_plain_greedy(pair, prompt):
         assert len(ids) > 1000
     ref = plain_greedy(pair.target, ids)
     for algorithm, k in ALGORITHMS + (MORE if PROMPTS.index(prompt) % 6 == 0 else []):
-        events = list(stream(pair, ids, dids, algorithm=algorithm, k=k, max_new_tokens=MAX_NEW))
+        events = list(stream(pair, ids, dids, how(algorithm=algorithm, k=k, max_new_tokens=MAX_NEW)))
         done = events[-1]
         assert isinstance(done, Finished) and all(isinstance(e, Round) for e in events[:-1])
         check_same(done, ref, pair.eos_ids(), f"{algorithm} k={k} on {prompt[:30]!r}")
@@ -109,7 +110,7 @@ def test_long_prompt_is_fast_to_speculate_on(pair):
     """After a 1,700-token prompt the drafter, fed through its own cache, still guesses well: rounds emit several
     tokens each."""
     ids, dids = pair.target_tokenizer.encode(LONG), pair.drafter_tokenizer.encode(LONG)
-    *_, done = stream(pair, ids, dids, algorithm="slem", k=4, max_new_tokens=MAX_NEW)
+    *_, done = stream(pair, ids, dids, how(algorithm="slem", k=4, max_new_tokens=MAX_NEW))
     assert done.stats.acceptance_rate > 0.25 and done.stats.tokens_per_round > 1.5
 
 
@@ -134,7 +135,7 @@ def test_gemma_drafter_equals_plain_greedy(gemma_pair, prompt):
     dids = gemma_pair.drafter_tokenizer.encode(prompt)
     ref = plain_greedy(gemma_pair.target, ids)
     for algorithm in ("slem",) if prompt is LONG else ("tli", "slem", "auto"):  # LONG: CI time, one is enough
-        *_, done = stream(gemma_pair, ids, dids, algorithm=algorithm, k=4, max_new_tokens=MAX_NEW)
+        *_, done = stream(gemma_pair, ids, dids, how(algorithm=algorithm, k=4, max_new_tokens=MAX_NEW))
         check_same(done, ref, gemma_pair.eos_ids(), f"gemma {algorithm} on {prompt!r}")
         if algorithm != "auto":
             assert done.stats.drafted > 0
@@ -156,14 +157,16 @@ def test_equals_transformers_cross_tokenizer_generate(pair, prompt):
         )[0, len(ids) :].tolist()
     for algorithm in ("tli", "slem"):
         *_, done = stream(
-            pair, ids, pair.drafter_tokenizer.encode(prompt), algorithm=algorithm, k=4, max_new_tokens=MAX_NEW
+            pair, ids, pair.drafter_tokenizer.encode(prompt), how(algorithm=algorithm, k=4, max_new_tokens=MAX_NEW)
         )
         check_same(done, theirs, pair.eos_ids(), f"{algorithm} vs transformers")
 
 
 def test_speculation_accepts_drafted_tokens_on_code(pair):
     ids = pair.target_tokenizer.encode(PROMPTS[0])
-    *_, done = stream(pair, ids, pair.drafter_tokenizer.encode(PROMPTS[0]), algorithm="slem", k=4, max_new_tokens=32)
+    *_, done = stream(
+        pair, ids, pair.drafter_tokenizer.encode(PROMPTS[0]), how(algorithm="slem", k=4, max_new_tokens=32)
+    )
     assert done.stats.acceptance_rate > 0.2 and done.stats.tokens_per_round > 1.2
 
 
@@ -171,10 +174,10 @@ def test_speculation_accepts_drafted_tokens_on_code(pair):
 def test_stop_string_ends_the_answer_where_plain_text_first_contains_it(pair, algorithm):
     ids = pair.target_tokenizer.encode(PROMPTS[0])
     dids = pair.drafter_tokenizer.encode(PROMPTS[0])
-    *_, plain = stream(pair, ids, dids, algorithm="none", max_new_tokens=MAX_NEW)
+    *_, plain = stream(pair, ids, dids, how(algorithm="none", max_new_tokens=MAX_NEW))
     stop = "return"
     assert stop in plain.text
-    *_, done = stream(pair, ids, dids, algorithm=algorithm, k=4, max_new_tokens=MAX_NEW, stop_strings=(stop,))
+    *_, done = stream(pair, ids, dids, how(algorithm=algorithm, k=4, max_new_tokens=MAX_NEW, stop_strings=(stop,)))
     assert done.stats.stop_reason == "stop_string"
     assert stop in done.text and stop not in done.text[:-1]  # the last token completed it, not an earlier one
     assert list(done.target_ids) == list(plain.target_ids[: len(done.target_ids)])
@@ -199,5 +202,5 @@ def test_the_other_linear_backend_equals_plain_greedy_too(other_backend_pair, pr
     ids, dids = p.target_tokenizer.encode(prompt), p.drafter_tokenizer.encode(prompt)
     ref = plain_greedy(p.target, ids)
     for algorithm, k in [("tli", 4), ("slem", 4), ("auto", "auto")]:
-        *_, done = stream(p, ids, dids, algorithm=algorithm, k=k, max_new_tokens=MAX_NEW)
+        *_, done = stream(p, ids, dids, how(algorithm=algorithm, k=k, max_new_tokens=MAX_NEW))
         check_same(done, ref, p.eos_ids(), f"{algorithm} on the other backend, {prompt[:30]!r}")

@@ -31,7 +31,7 @@ import threading
 
 import pytest
 import torch
-from tiny_pairs import tiny_config
+from tiny_pairs import how, tiny_config
 from transformers import LlamaForCausalLM
 
 import usd.decoder
@@ -139,8 +139,9 @@ def drafts(monkeypatch):
 
 
 def run(pair, ids, dids, **kwargs) -> tuple[list[Round], Finished]:
-    kwargs.setdefault("probe_first", False)
-    events = list(stream(pair, ids, dids, **kwargs))
+    loop = {"probe_first": kwargs.pop("probe_first", False)}
+    loop.update({key: kwargs.pop(key) for key in ("cancel", "memory") if key in kwargs})
+    events = list(stream(pair, ids, dids, how(**kwargs), **loop))
     assert all(isinstance(e, Round) for e in events[:-1]) and isinstance(events[-1], Finished)
     return events[:-1], events[-1]
 
@@ -385,21 +386,21 @@ def test_max_new_tokens_inside_a_round(tok, algorithm):
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# k = 0
+# plain decoding
 
 
-@pytest.mark.parametrize("algorithm", SPEC)
-def test_k_zero_is_plain_decoding(tok, monkeypatch, algorithm):
+@pytest.mark.parametrize("k", ["auto", 4])
+def test_algorithm_none_drafts_nothing_whatever_the_draft_length(tok, monkeypatch, k):
     tt, dt = tok[QWEN], tok[SMOL]
     words = " one two three four five"
     pair, ids, dids = scripted_pair(tt, dt, "Count:", enc(tt, words) + [tt.eos_token_id], enc(dt, words))
 
     def no_drafting(*args, **kwargs):
-        raise AssertionError("k = 0 drafted")
+        raise AssertionError("plain decoding drafted")
 
     monkeypatch.setattr(usd.drafters, "draft_tokens", no_drafting)
     monkeypatch.setattr(usd.drafters, "draft_strings", no_drafting)
-    rounds, done = run(pair, ids, dids, algorithm=algorithm, k=0, max_new_tokens=8, probe_first=True)
+    rounds, done = run(pair, ids, dids, algorithm="none", k=k, max_new_tokens=8, probe_first=True)
     assert all(r.k == 0 and r.drafted == 0 and r.algorithm == "none" for r in rounds)
     assert all(p.kind == "target" for r in rounds for p in r.pieces)
     assert (
@@ -451,7 +452,7 @@ def test_cancel_after_the_second_round_leaves_the_models_usable(tok, algorithm):
 
     cancel = threading.Event()
     events = []
-    for event in stream(pair, ids, dids, algorithm=algorithm, k=2, max_new_tokens=16, cancel=cancel):
+    for event in stream(pair, ids, dids, how(algorithm=algorithm, k=2, max_new_tokens=16), cancel=cancel):
         events.append(event)
         if sum(isinstance(e, Round) for e in events) == 2:
             cancel.set()
@@ -463,7 +464,7 @@ def test_cancel_after_the_second_round_leaves_the_models_usable(tok, algorithm):
     assert_pieces_are_the_text(rounds, done)
 
     # a consumer that simply walks away (closes the generator mid-round) leaves nothing behind either
-    walked_away = stream(pair, ids, dids, algorithm=algorithm, k=2, max_new_tokens=16)
+    walked_away = stream(pair, ids, dids, how(algorithm=algorithm, k=2, max_new_tokens=16))
     next(walked_away)
     walked_away.close()
 

@@ -17,6 +17,7 @@ import pytest
 import reference_sampling as reference
 import test_decoder_distribution
 import torch
+from tiny_pairs import how
 
 from usd import api
 from usd.datasets import recall_prompts
@@ -301,7 +302,7 @@ def test_the_default_pair_asked_again_in_new_conversations_drafts_from_memory_an
     for i, messages in enumerate(session):
         plain = api.generate(pair, messages=messages, algorithm="none", max_new_tokens=64, scope=None)
         t_ids, _ = usd.chat.prompt_ids(pair, None, messages, "own")
-        *_, done = stream(pair, t_ids, algorithm="suffix", k=16, max_new_tokens=64, memory=scope)
+        *_, done = stream(pair, t_ids, None, how(algorithm="suffix", k=16, max_new_tokens=64), memory=scope)
         assert done.target_ids == plain.target_ids, f"request {i + 1} differs from plain decoding's"
         if i:
             assert done.stats.accepted_by_algorithm.get("suffix", 0) > 16, "the earlier answers should be drafted"
@@ -319,7 +320,7 @@ def test_first_two_tokens_distributed_as_plain_sampling_on_llama_cpp(gguf, monke
     ids, dids = pair.target_tokenizer.encode(prompt), pair.drafter_tokenizer.encode(prompt)
     if algorithm == "ngram":
         pair = Pair(pair.target, pair.target_tokenizer, context_length=pair.context_length)
-        *_, greedy = stream(pair, ids, algorithm="none", max_new_tokens=2)
+        *_, greedy = stream(pair, ids, None, how(algorithm="none", max_new_tokens=2))
         ids, dids = ids + list(greedy.target_ids) + ids, None
     target = pair.target
     eos = frozenset(pair.eos_ids())
@@ -327,7 +328,7 @@ def test_first_two_tokens_distributed_as_plain_sampling_on_llama_cpp(gguf, monke
     counts, drafted, accepted = {}, 0, 0
     for seed in range(N):
         p = SamplingParams(temperature=1.0, top_k=4, seed=seed)
-        *_, ev = stream(pair, ids, dids, algorithm=algorithm, k=K, params=p, max_new_tokens=2, probe_first=False)
+        *_, ev = stream(pair, ids, dids, how(algorithm=algorithm, k=K, params=p, max_new_tokens=2), probe_first=False)
         counts[tuple(ev.target_ids)] = counts.get(tuple(ev.target_ids), 0) + 1
         drafted, accepted = drafted + ev.stats.drafted, accepted + ev.stats.accepted
     assert 0.02 < accepted / drafted < 0.98, "the test must exercise both accept and reject paths"
@@ -344,8 +345,8 @@ def test_auto_switching_among_every_source_equals_plain_greedy_on_llama_cpp(gguf
     order reaches (in a busy full run the lookup was never reached)."""
     pair = pair_of(gguf[QWEN], gguf[SMOL])
     ids, dids = pair.target_tokenizer.encode(LONG), pair.drafter_tokenizer.encode(LONG)
-    *_, ref = stream(pair, ids, dids, algorithm="none", max_new_tokens=MAX_NEW)
-    events = list(stream(pair, ids, dids, algorithm="auto", k=2, max_new_tokens=MAX_NEW, probe_first=False))
+    *_, ref = stream(pair, ids, dids, how(algorithm="none", max_new_tokens=MAX_NEW))
+    events = list(stream(pair, ids, dids, how(algorithm="auto", k=2, max_new_tokens=MAX_NEW), probe_first=False))
     assert events[-1].target_ids == ref.target_ids
     ran = {r.algorithm for r in events[:-1] if r.drafted}
     assert ran & {"ngram", "suffix"} and ran & {"tli", "slem"}, ran  # a lookup (whichever the order reached), a model
@@ -546,8 +547,8 @@ def test_a_prompt_of_1023_tokens_decodes_as_plain_decoding_under_slem(gguf):
     ids = tok.encode(LONG * 3)[:1023]
     assert len(ids) == 1023
     pair = pair_of(gguf[SMOL], gguf[SMOL])
-    *_, plain = stream(pair, ids, algorithm="none", max_new_tokens=16)
-    *_, done = stream(pair, ids, algorithm="slem", k=4, max_new_tokens=16, probe_first=False)
+    *_, plain = stream(pair, ids, None, how(algorithm="none", max_new_tokens=16))
+    *_, done = stream(pair, ids, None, how(algorithm="slem", k=4, max_new_tokens=16), probe_first=False)
     assert done.target_ids == plain.target_ids and done.stats.drafted > 0
 
 

@@ -12,7 +12,7 @@ import warnings
 import pytest
 import tiny_tokenizers as tiny
 import torch
-from tiny_pairs import tiny_config
+from tiny_pairs import how, tiny_config
 
 from usd.decoder import stream
 from usd.pair import Pair
@@ -117,7 +117,7 @@ def test_greedy_tli_equals_plain_decoding(recurrent):
     pair = Pair(target, tok, drafter, drafter_tok, f"tiny-{name}", "tiny-llama")
     for prompt in ("def fibonacci(n):", "The capital of France is", "Count: one two three"):
         ids, dids = tok.encode(prompt), drafter_tok.encode(prompt)
-        *_, plain = stream(pair, ids, dids, algorithm="none", max_new_tokens=24)
-        *_, done = stream(pair, ids, dids, algorithm="tli", k=4, max_new_tokens=24, probe_first=False)
+        *_, plain = stream(pair, ids, dids, how(algorithm="none", max_new_tokens=24))
+        *_, done = stream(pair, ids, dids, how(algorithm="tli", k=4, max_new_tokens=24), probe_first=False)
         assert done.target_ids == plain.target_ids, f"{name} on {prompt!r}"
         assert done.stats.drafted > done.stats.accepted, "the test needs rejected drafts, to roll back"

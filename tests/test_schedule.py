@@ -12,12 +12,13 @@ from types import SimpleNamespace
 import pytest
 
 from usd.algorithms import Algorithm
+from usd.pair import PairMemory
 from usd.record import RoundRecord
 from usd.schedule import K_MAX, K_START, MIN_TRIES, PROBE_BUDGET, PROBE_EVERY, CostModel, Schedule, speedup_bound, tau
 
 
 def fake_pair(same_tokenizer=False, drafter=True):
-    return SimpleNamespace(same_tokenizer=same_tokenizer, memory={}, drafter="a drafter" if drafter else None)
+    return SimpleNamespace(same_tokenizer=same_tokenizer, memory=PairMemory(), drafter="a drafter" if drafter else None)
 
 
 @dataclass
@@ -283,7 +284,7 @@ def test_a_mode_that_realises_less_than_plain_decoding_is_dropped_whatever_the_m
 def costed_pair(c: float, v: dict[int, float], **extra):
     """A pair whose c and v(k) were measured at load (usd/costs.py)."""
     pair = fake_pair()
-    pair.memory["costs"] = {"step_s": 1.0, "c": c, "v": {str(k): x for k, x in v.items()}, **extra}
+    pair.memory.costs = {"step_s": 1.0, "c": c, "v": {str(k): x for k, x in v.items()}, **extra}
     return pair
 
 
@@ -409,7 +410,7 @@ def test_where_speculation_cannot_pay_every_answer_costs_at_most_the_probing_bud
 
     world = World(**MEASURED_IN_THE_LOOP, rng=random.Random(seed))
     pair = costed_pair(**OPTIMISTIC_AT_LOAD)
-    pair.memory["costs"]["step_s"] = world.verify(1)
+    pair.memory.costs["step_s"] = world.verify(1)
     tokens = 48
     plain = tokens * world.verify(1)  # the world's plain answer (a speculative round emits at least one token)
     spent = answers(world, pair, 40, tokens)
@@ -420,7 +421,7 @@ def test_where_speculation_cannot_pay_every_answer_costs_at_most_the_probing_bud
 
 def test_where_speculation_pays_auto_switches_to_it_within_the_first_answer():
     world, pair = World(**PAYS), costed_pair(0.1, {1: 1.05, 2: 1.1, 4: 1.2})
-    pair.memory["costs"]["step_s"] = world.verify(1)
+    pair.memory.costs["step_s"] = world.verify(1)
     s = Schedule(pair, "auto", "auto", answer_tokens=128)
     chosen = [m for m, _ in world.run(s, 60)]
     assert chosen[20:].count("tli") / 40 > 0.8

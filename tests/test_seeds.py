@@ -8,6 +8,7 @@ import random
 import numpy as np
 import pytest
 import torch
+from tiny_pairs import how
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from usd.decoder import stream
@@ -75,9 +76,8 @@ def _sample_ids(pair: Pair, seed: int | None) -> tuple[int, ...]:
         stream(
             pair,
             [1, 2, 3],
-            algorithm="none",
-            params=SamplingParams(temperature=1.5, seed=seed),
-            max_new_tokens=12,
+            None,
+            how(algorithm="none", params=SamplingParams(temperature=1.5, seed=seed), max_new_tokens=12),
             probe_first=False,
         )
     )

@@ -9,6 +9,7 @@ import tracemalloc
 from array import array
 
 import pytest
+from tiny_pairs import how
 from tiny_serving import served_pair
 
 from usd import api, suffix
@@ -104,7 +105,9 @@ def pair():
 
 def answer(pair, prompt: str, algorithm: str, memory) -> Finished:
     ids = pair.target_tokenizer.encode(prompt)
-    *_, done = stream(pair, ids, algorithm=algorithm, k=8, max_new_tokens=40, memory=memory, probe_first=False)
+    *_, done = stream(
+        pair, ids, None, how(algorithm=algorithm, k=8, max_new_tokens=40), memory=memory, probe_first=False
+    )
     return done
 
 

@@ -122,7 +122,7 @@ def test_the_panel_says_which_numbers_the_server_did_not_report(app):
     from app.handlers import Handlers
 
     h = Handlers(app[0], stream=remote.stream)
-    *_, (_, live) = h.chat_send("Say hello.", [], "auto", "auto", 0, 1, 0, None, 8, _request("panel"))
+    *_, (_, live) = h.chat_send(_request("panel"), "Say hello.", [], "auto", "auto", 0, 1, 0, None, 8)
     panel = live["stats"]
     said = panel.split("Not reported by this server: ", 1)[1]
     for name in ("acceptance α", "draft length k", "drafter cost c", "verify cost v", "theoretical speedup"):
@@ -142,7 +142,7 @@ def test_stop_cancels_the_servers_answer(app, server):
 
     h = Handlers(app[0], stream=remote.stream)
     request = _request("stop")
-    chat = h.chat_send("Count from 1 to 300, one number per line.", [], "auto", "auto", 0, 1, 0, None, 600, request)
+    chat = h.chat_send(request, "Count from 1 to 300, one number per line.", [], "auto", "auto", 0, 1, 0, None, 600)
     next(chat)
     stopped_at = time.perf_counter()
     threading.Timer(0.2, h.chat_stop, [request]).start()
@@ -152,7 +152,7 @@ def test_stop_cancels_the_servers_answer(app, server):
     answer = history[-1]["content"]
     assert answer.endswith(STOPPED) and "stopped: cancelled" in panel
     assert len(answer) < len(servers_own_answer(server, COUNTING, 600))
-    *_, (history, *_) = h.chat_send("Say hello.", [], "auto", "auto", 0, 1, 0, None, 8, _request("after"))
+    *_, (history, *_) = h.chat_send(_request("after"), "Say hello.", [], "auto", "auto", 0, 1, 0, None, 8)
     assert history[-1]["content"] == servers_own_answer(server, "Say hello.", 8)  # the server serves on
 
 

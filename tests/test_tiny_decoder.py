@@ -21,7 +21,7 @@ import reference_sampling as reference
 import tiny_tokenizers as tiny
 import torch
 from scipy.stats import chisquare
-from tiny_pairs import tiny_pair
+from tiny_pairs import how, tiny_pair
 
 import usd.decoder
 from usd.decoder import stream
@@ -78,7 +78,8 @@ def sampling_pairs():
 
 def run(pair, prompt, **kwargs) -> tuple[list[Round], Finished]:
     ids, dids = pair.target_tokenizer.encode(prompt), pair.drafter_tokenizer.encode(prompt)
-    events = list(stream(pair, ids, dids, **kwargs))
+    loop = {key: kwargs.pop(key) for key in ("probe_first", "cancel", "memory") if key in kwargs}
+    events = list(stream(pair, ids, dids, how(**kwargs), **loop))
     assert all(isinstance(e, Round) for e in events[:-1]) and isinstance(events[-1], Finished)
     return events[:-1], events[-1]
 
@@ -271,7 +272,9 @@ def sample_two(pair, algorithm, k=3, seeds=range(N), prompt=None, sources=None, 
     counts, drafted, accepted = {}, 0, 0
     for seed in seeds:
         params = SamplingParams(**(settings or TOP4), seed=seed)
-        *_, done = stream(pair, ids, dids, algorithm=algorithm, k=k, params=params, max_new_tokens=2, probe_first=False)
+        *_, done = stream(
+            pair, ids, dids, how(algorithm=algorithm, k=k, params=params, max_new_tokens=2), probe_first=False
+        )
         counts[done.target_ids] = counts.get(done.target_ids, 0) + 1
         drafted += done.stats.drafted
         accepted += done.stats.accepted
@@ -360,7 +363,7 @@ def test_first_two_tokens_distributed_as_plain_sampling(case, request):
     p = p_value(counts, joint)
     assert p > ALPHA, f"{case}: p = {p:.1e}, observed {counts}"
     if algorithm == "auto":
-        assert {"none", "tli", "slem"} <= set(pair.memory["schedule"]["modes"])
+        assert {"none", "tli", "slem"} <= set(pair.memory.schedule["modes"])
 
 
 def test_seeded_auto_mixing_plain_slem_and_lookups_is_distributed_as_plain_sampling(confident_pairs, monkeypatch):
@@ -447,7 +450,9 @@ def first_token_check(pair, **settings) -> tuple[float, bool]:
     drafted = accepted = 0
     for seed in range(N):
         params = SamplingParams(**settings, seed=seed)
-        *_, done = stream(pair, ids, dids, algorithm="tli", k=1, params=params, max_new_tokens=1, probe_first=False)
+        *_, done = stream(
+            pair, ids, dids, how(algorithm="tli", k=1, params=params, max_new_tokens=1), probe_first=False
+        )
         counts[done.target_ids] = counts.get(done.target_ids, 0) + 1
         drafted, accepted = drafted + done.stats.drafted, accepted + done.stats.accepted
     return accepted / max(1, drafted), check_fails(counts, exact)
@@ -581,9 +586,9 @@ def echoing_prompt(pair) -> list[int]:
 def test_lookups_equal_plain_greedy_without_a_drafter_model(pairs, prompt, lookup):
     alone = target_alone(pairs["byte-level"])
     ids = echoing_prompt(alone) if prompt is None else alone.target_tokenizer.encode(prompt)
-    *_, plain = stream(alone, ids, algorithm="none", max_new_tokens=MAX_NEW)
+    *_, plain = stream(alone, ids, None, how(algorithm="none", max_new_tokens=MAX_NEW))
     for k in (4, "auto"):
-        events = list(stream(alone, ids, algorithm=lookup, k=k, max_new_tokens=MAX_NEW, probe_first=False))
+        events = list(stream(alone, ids, None, how(algorithm=lookup, k=k, max_new_tokens=MAX_NEW), probe_first=False))
         rounds, done = events[:-1], events[-1]
         assert done.target_ids == plain.target_ids and done.text == plain.text, f"{lookup} k={k} on {prompt!r}"
         assert all(r.algorithm in ("none", lookup) for r in rounds)
@@ -597,7 +602,12 @@ def sample_two_ngram(pair, ids, rule=None, seeds=range(N), algorithm="ngram", me
     for seed in seeds:
         params = SamplingParams(**TOP4, seed=seed)
         *_, done = stream(
-            pair, ids, algorithm=algorithm, k=2, params=params, max_new_tokens=2, probe_first=False, memory=memory
+            pair,
+            ids,
+            None,
+            how(algorithm=algorithm, k=2, params=params, max_new_tokens=2),
+            probe_first=False,
+            memory=memory,
         )
         counts[done.target_ids] = counts.get(done.target_ids, 0) + 1
         drafted += done.stats.drafted
@@ -672,7 +682,7 @@ def test_every_drafted_piece_says_what_drafted_it_and_ngram_pieces_where_they_we
 
     alone = target_alone(pairs["byte-level"])
     ids = echoing_prompt(alone)
-    rounds = list(stream(alone, ids, algorithm="ngram", k=4, max_new_tokens=MAX_NEW, probe_first=False))[:-1]
+    rounds = list(stream(alone, ids, None, how(algorithm="ngram", k=4, max_new_tokens=MAX_NEW), probe_first=False))[:-1]
     context = list(ids) + [p.target_id for r in rounds for p in r.emitted]
     drafted = [p for r in rounds for p in r.pieces if p.kind in ("accepted", "rejected")]
     assert drafted and all(p.source == "ngram" and context[p.copied_from] == p.target_id for p in drafted)
@@ -699,10 +709,10 @@ def test_auto_switching_among_every_source_equals_plain_greedy(pairs, key, auto_
     (where it finds something: the echoing prompt holds the answer's start) gives plain greedy's answer."""
     pair = pairs[key]
     ids = echoing_prompt(pair)
-    *_, plain = stream(pair, ids, algorithm="none", max_new_tokens=MAX_NEW)
+    *_, plain = stream(pair, ids, None, how(algorithm="none", max_new_tokens=MAX_NEW))
     # a fixed k: the rounds then follow the seeded order alone, not this machine's timings
     events = list(
-        stream(pair, *both_prompts(pair, ids), algorithm="auto", k=2, max_new_tokens=MAX_NEW, probe_first=False)
+        stream(pair, *both_prompts(pair, ids), how(algorithm="auto", k=2, max_new_tokens=MAX_NEW), probe_first=False)
     )
     rounds, done = events[:-1], events[-1]
     assert done.target_ids == plain.target_ids and done.text == plain.text

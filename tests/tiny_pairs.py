@@ -67,3 +67,21 @@ def tiny_pair(
     rows = drafter.lm_head.weight[d_ids]
     drafter.lm_head.weight[d_ids] = rows + noise * rows.std(dim=1, keepdim=True) * torch.randn_like(rows)
     return target, drafter
+
+
+def how(algorithm="auto", k="auto", params=None, max_new_tokens=128, stop_strings=()):
+    """The decode loop's settings (`decoder.stream`) in the tests' terms: a draft length `k` and a SamplingParams."""
+    from usd.sampling import SamplingParams
+    from usd.settings import GenerationSettings
+
+    p = params or SamplingParams()
+    return GenerationSettings(
+        algorithm=algorithm,
+        draft_tokens=k,
+        temperature=p.temperature,
+        top_k=p.top_k,
+        top_p=p.top_p,
+        seed=p.seed,
+        max_new_tokens=max_new_tokens,
+        stop_strings=stop_strings,
+    )

@@ -24,7 +24,6 @@ from .catalog import Catalog, Precision, load_catalog
 from .events import Finished, Round
 from .loading import entry_for, load_model
 from .pair import Pair
-from .sampling import SamplingParams
 from .settings import GenerationSettings
 from .store import cache_dir
 
@@ -71,7 +70,7 @@ def load_pair(
     # the target's vocabulary read now, not in a server's first request: reading it holds the interpreter a second
     _token_limits(pair)
     if d:  # what auto's bound needs before its first round (usd/costs.py)
-        pair.memory["costs"] = costs.costs_for(pair, cache_dir(), log)
+        pair.memory.costs = costs.costs_for(pair, cache_dir(), log)
         costs.restore_learned(pair, cache_dir())
     return pair
 
@@ -106,18 +105,8 @@ def stream(
     check_size(pair, prompt, messages)
     t_ids, d_ids = chat.prompt_ids(pair, prompt, messages, rendering)
     check_context(pair, len(t_ids), s.max_new_tokens)
-    events = decoder.stream(
-        pair,
-        t_ids,
-        d_ids,
-        algorithm=s.algorithm,
-        k=s.draft_tokens,
-        params=SamplingParams.of(s),
-        max_new_tokens=s.max_new_tokens,
-        stop_strings=s.stop_strings,
-        cancel=cancel,
-        memory=suffix.MEMORY.scope(pair.tokenizer_key, scope) if scope is not None else None,
-    )
+    memory = suffix.MEMORY.scope(pair.tokenizer_key, scope) if scope is not None else None
+    events = decoder.stream(pair, t_ids, d_ids, s, cancel=cancel, memory=memory)
     for event in events:
         if isinstance(event, Finished) and messages is not None and pair.drafter is not None:
             chat.record_rendering(pair.memory, rendering, event.stats.accepted, event.stats.drafted)

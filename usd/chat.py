@@ -8,6 +8,7 @@ the one whose drafts the target accepts more often. Base models without a templa
 
 from __future__ import annotations
 
+from .pair import PairMemory
 from .settings import short_repr
 from .utf8 import not_text
 
@@ -79,23 +80,23 @@ def stripped_ids(target_tokenizer, target_ids: list[int], drafter_tokenizer) -> 
     return drafter_tokenizer.encode(text)
 
 
-def choose_rendering(memory: dict, asked: str) -> str:
+def choose_rendering(memory: PairMemory, asked: str) -> str:
     """`own` or `stripped` for this generation; `auto` tries each _TRIES times, then keeps the better acceptance."""
     if asked not in RENDERINGS:
         raise PromptError(f"drafter rendering must be one of {', '.join(RENDERINGS)}, got {asked!r}")
     if asked != "auto":
         return asked
-    seen = memory.setdefault("rendering", {})  # rendering -> [generations, accepted, drafted]
+    seen = memory.rendering
     for r in ("own", "stripped"):
         if seen.get(r, [0, 0, 0])[0] < _TRIES:
             return r
     return max(("own", "stripped"), key=lambda r: seen[r][1] / max(1, seen[r][2]))
 
 
-def record_rendering(memory: dict, rendering: str, accepted: int, drafted: int) -> None:
-    n, a, d = memory.setdefault("rendering", {}).get(rendering, [0, 0, 0])
+def record_rendering(memory: PairMemory, rendering: str, accepted: int, drafted: int) -> None:
+    n, a, d = memory.rendering.get(rendering, [0, 0, 0])
     if drafted:
-        memory["rendering"][rendering] = [n + 1, a + accepted, d + drafted]
+        memory.rendering[rendering] = [n + 1, a + accepted, d + drafted]
 
 
 def target_ids(pair, prompt: str | None = None, messages: list[dict] | None = None) -> list[int]:

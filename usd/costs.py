@@ -169,19 +169,19 @@ def restore_learned(pair, cache_dir: Path | None) -> None:
     `remember` keeps them), so that a restart does not probe again what is known to lose here."""
     cache = cache_dir / CACHE_FILE if cache_dir is not None else None
     key = machine_key(pair) + LEARNED
-    pair.memory["learned_at"] = (cache, key)
+    pair.memory.learned_at = (cache, key)
     learned = read_choices(cache).get(key)
     if valid_memory(learned):
-        pair.memory["schedule"] = learned
+        pair.memory.schedule = learned
 
 
 def remember(pair) -> None:
     """Keep what auto learned of the pair so far (after a generation) for the next process on this machine."""
-    cache, key = pair.memory.get("learned_at", (None, None))
-    if cache is None or "schedule" not in pair.memory:
+    cache, key = pair.memory.learned_at or (None, None)
+    if cache is None or not pair.memory.schedule:
         return
     try:
-        learned = json.loads(json.dumps(pair.memory["schedule"]))
+        learned = json.loads(json.dumps(pair.memory.schedule))
     except (RuntimeError, TypeError, ValueError):  # another generation of the pair changed it meanwhile: next time
         return
     known = read_choices(cache)

@@ -25,10 +25,15 @@ from .pair import Pair, bytes_of
 from .record import RoundRecord
 from .sampling import DRAFTER_STREAM, SamplingParams, make_generator, probabilities
 from .schedule import Schedule
-from .settings import check_algorithm, check_draft_tokens, check_max_new_tokens
+from .settings import GenerationSettings, check_algorithm
 from .tally import Tally
 from .utf8 import piece_decoder
 from .verify import exact_match, greedy_match, rejection_sampling
+
+
+def _algorithm_and_k(settings: GenerationSettings) -> tuple[Algorithm, int | str]:
+    """The algorithm and the draft length as the loop runs them: plain decoding drafts nothing."""
+    return (PLAIN, 0) if settings.algorithm.plain else (settings.algorithm, settings.draft_tokens)
 
 
 def resolve_algorithm(pair: Pair, algorithm: str) -> Algorithm:
@@ -190,16 +195,14 @@ class Generation:
         pair: Pair,
         prompt_ids,
         drafter_prompt_ids,
-        algorithm: Algorithm | str,
-        k,
-        params: SamplingParams,
-        max_new_tokens: int,
-        stop_strings: tuple[str, ...],
+        settings: GenerationSettings,
         probe_first: bool,
         memory=None,
     ):
-        """`memory`: where the suffix source looks up earlier answers (`suffix.Scope`; None: the conversation only)."""
-        algorithm = Algorithm(algorithm)  # a name given: its member (an unknown one fails here, loudly)
+        """`settings` checked, its algorithm runnable on `pair` (`stream`); `memory`: where the suffix source looks up
+        earlier answers (`suffix.Scope`; None: the conversation only)."""
+        algorithm, k = _algorithm_and_k(settings)
+        params, max_new_tokens = SamplingParams.of(settings), settings.max_new_tokens
         self.pair = pair
         # With a seed, auto only uses modes whose answer the seed fixes (plain, slem, lookups: position_generator), so
         # "same seed, same text" holds for regenerate, for --samples, and between the compare view's two columns.
@@ -212,7 +215,7 @@ class Generation:
         self.tally = Tally(algorithm, self.schedule.model.step_at_load)
         self.target = pair.target_runner.new_context(prompt_ids)
         self.prompt_len = len(prompt_ids)
-        self.answer = Answer(pair, max_new_tokens, stop_strings)
+        self.answer = Answer(pair, max_new_tokens, settings.stop_strings)
         self.rules = Rules(pair, params, rng, self.answer.eos, self.schedule.min_confidence)
         self.start = Start(self.rules, list(prompt_ids), drafter_prompt_ids, self.answer, memory)
         self.sources: dict[Algorithm, Source] = {
@@ -299,12 +302,8 @@ def stream(
     pair: Pair,
     prompt_ids: list[int],
     drafter_prompt_ids: list[int] | None = None,
+    settings: GenerationSettings | None = None,
     *,
-    algorithm: str = "auto",
-    k: int | str = "auto",
-    params: SamplingParams | None = None,
-    max_new_tokens: int = 128,
-    stop_strings: tuple[str, ...] = (),
     cancel: threading.Event | None = None,
     probe_first: bool = True,
     memory=None,
@@ -313,23 +312,18 @@ def stream(
 
     The output is exactly the target's: token-identical to plain greedy decoding when greedy, and distributed as
     plain sampling otherwise. The models are never modified; both stay usable after a cancel.
-    `k` is the draft length (0: plain decoding), or "auto" to adapt it per round. With `probe_first` the rounds are
-    plain target steps until one has measured the single-step time behind c and v: round 0 reads the logits the prompt
-    left (nothing to time), round 1 feeds a token.
+    `settings` (checked once, where the request came in) say how: the algorithm, the draft length (auto: adapted
+    per round), sampling, the answer's length and its stop strings. With `probe_first` the rounds are plain target
+    steps until one has measured the single-step time behind c and v: round 0 reads the logits the prompt left
+    (nothing to time), round 1 feeds a token.
     `memory`: the scope of this process's earlier answers (`suffix.Scope`) that the suffix source drafts from; the
     answer joins it when the generation ends, whatever algorithm ran (None: nothing is remembered or looked up).
     """
-    params = params or SamplingParams()
-    algo = resolve_algorithm(pair, algorithm)
-    k = 0 if algo.plain else check_draft_tokens(k, allow_zero=True)
-    if k == 0:
-        algo = PLAIN
+    settings = settings or GenerationSettings()
+    resolve_algorithm(pair, settings.algorithm)
     if not prompt_ids:
         raise ValueError("the prompt is empty")
-    check_max_new_tokens(max_new_tokens)
-    gen = Generation(
-        pair, prompt_ids, drafter_prompt_ids, algo, k, params, max_new_tokens, stop_strings, probe_first, memory
-    )
+    gen = Generation(pair, prompt_ids, drafter_prompt_ids, settings, probe_first, memory)
     try:
         while gen.answer.stop_reason is None:
             if cancel is not None and cancel.is_set():

@@ -4,6 +4,7 @@ about their vocabularies."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -36,6 +37,25 @@ def model_context_length(model) -> int | None:
 
 
 @dataclass
+class PairMemory:
+    """What outlives single generations of a pair in this process, and what auto plans with."""
+
+    costs: dict | None = None
+    """The costs measured at load (`costs.costs_for`: step_s, c, v by draft length, feed): auto's prior."""
+    schedule: dict = field(default_factory=dict)
+    """What auto measured while decoding (`schedule.CostModel`, `schedule.Schedule`), JSON-friendly: kept per pair
+    and CPU across restarts (`costs.remember`)."""
+    learned_at: tuple[Path | None, str] | None = None
+    """Where `schedule` is kept across restarts: (cost cache file, key) (`costs.restore_learned`)."""
+    rendering: dict = field(default_factory=dict)
+    """How each drafter prompt rendering fared: rendering -> [generations, accepted, drafted] (`chat`)."""
+
+    def clear(self) -> None:
+        """Forget everything, as a freshly loaded pair knows nothing."""
+        self.costs, self.schedule, self.learned_at, self.rendering = None, {}, None, {}
+
+
+@dataclass
 class Pair:
     """A loaded (target, drafter) pair with what the algorithms need to know about their vocabularies.
 
@@ -53,7 +73,7 @@ class Pair:
     """The target's context in tokens (None: unchecked)."""
     drafter_context_length: int | None = None
     """The drafter's; None: what its config says (`model_context_length`)."""
-    memory: dict = field(default_factory=dict, repr=False)
+    memory: PairMemory = field(default_factory=PairMemory, repr=False)
     target_runner: Runner = field(default=None, repr=False)  # type: ignore[assignment]
     """What opens the target's decoding contexts (given at load; by default the one `runners.runner_for` gives)."""
     drafter_runner: Runner | None = field(default=None, repr=False)

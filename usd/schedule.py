@@ -429,8 +429,8 @@ class Schedule:
         self.probed = False
         """A plain round has fed a position: its time is the step behind c and v (round 0 feeds none, see decoder)."""
         self.round = 0
-        memory = pair.memory.setdefault("schedule", {})
-        self.model = CostModel(memory, pair.memory.get("costs"))
+        memory = pair.memory.schedule
+        self.model = CostModel(memory, pair.memory.costs)
         self.gap = memory.setdefault("gap", {})  # mode -> rounds to wait before probing it again
         # rounds since each mode last ran, counted across generations: a probe costs a drafter prefill and catch-up,
         # so restarting the count per generation would probe in every answer
@@ -491,7 +491,7 @@ class Schedule:
         alpha ceiling rules it out; the lookup, whose draft costs next to nothing, only where even a free draft cannot
         pay). The drafter model's bound when it cannot pay, else None (also where nothing was measured: then every
         mode is probed)."""
-        costs = pair.memory.get("costs")
+        costs = pair.memory.costs
         if not costs:
             return None
         c, v, measured = self._costs_now(costs)
@@ -517,7 +517,7 @@ class Schedule:
         """Where the costs were measured (at load, or by the loop since), each mode's first draft length is the one
         its bound is best at (for the lookup, with c = 0): on a machine where verifying many tokens costs many steps,
         the trials that judge a mode are not spent at a length it could never pay at. Otherwise K_START."""
-        costs = pair.memory.get("costs")
+        costs = pair.memory.costs
         if not costs:
             return {}
         c, v, _ = self._costs_now(costs)

@@ -42,7 +42,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from . import theory
-from .algorithms import DRAFTING, Algorithm, Proposal
+from .algorithms import DRAFTING, Proposal
 from .catalog import add_pair_arguments
 from .costs import machine, timed_forward
 from .datasets import Prompt
@@ -358,18 +358,19 @@ def replay(target: Model, drafter: Model, ref: Reference, algorithm: str, k: int
     from dataclasses import replace
 
     from .decoder import Generation
-    from .pair import model_vocab_size
+    from .pair import PairMemory, model_vocab_size
     from .sampling import SamplingParams, probabilities
+    from .settings import GenerationSettings
 
     base = pair or _target_pair(target, drafter)
     _, d_prompt = _prompt_ids(base, ref.prompt)
     recording = _Recording(base.drafter_runner)
     known = _KnownAnswer(ref, model_vocab_size(base.target), min(base.eos_ids()))
     # its own memory: the replay's rounds must not teach the pair's auto anything
-    pair = replace(base, target_runner=known, drafter_runner=recording, memory={})
-    params = SamplingParams()  # greedy
-    chosen = Algorithm(algorithm)
-    gen = Generation(pair, ref.target_prompt_ids, d_prompt, chosen, k, params, ref.max_new_tokens, (), True)
+    pair = replace(base, target_runner=known, drafter_runner=recording, memory=PairMemory())
+    how = GenerationSettings(algorithm=algorithm, draft_tokens=k, max_new_tokens=ref.max_new_tokens)  # greedy
+    chosen = how.algorithm
+    gen = Generation(pair, ref.target_prompt_ids, d_prompt, how, True)
     sampled_params = SamplingParams(temperature=SAMPLED_TEMPERATURE)
     intersection = pair.intersection() if chosen.spec.proposes is Proposal.TOKENS else None
     out, sampled = Acceptance(), []

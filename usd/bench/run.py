@@ -28,6 +28,7 @@ from ..datasets import Prompt, load_prompts
 from ..events import Finished
 from ..pair import Pair
 from ..sampling import SamplingParams
+from ..settings import GenerationSettings
 from ..suffix import SuffixMemory
 from .plots import plot
 from .report import REFERENCES, label, pair_plot_path, table
@@ -84,25 +85,14 @@ def _ids(pair: Pair, prompt: Prompt) -> tuple[list[int], list[int] | None]:
     return chat.prompt_ids(pair, prompt.prompt, messages, rendering="own")
 
 
-def run_ours(
-    pair: Pair,
-    prompt: Prompt,
-    algorithm: str,
-    k,
-    params: SamplingParams,
-    max_new_tokens: int,
-    record: bool = True,
-    memory=None,
-) -> Run:
+def run_ours(pair: Pair, prompt: Prompt, how: GenerationSettings, record: bool = True, memory=None) -> Run:
     """One generation through the engine. With `record`, its acceptance refines what `usd suggest` remembers of the
     pair, as a chat's does (`suggest.recording`). `memory`: the suffix memory scope it drafts from and joins."""
     t_ids, d_ids = _ids(pair, prompt)
     done: Finished | None = None
-    events = decoder.stream(
-        pair, t_ids, d_ids, algorithm=algorithm, k=k, params=params, max_new_tokens=max_new_tokens, memory=memory
-    )
+    events = decoder.stream(pair, t_ids, d_ids, how, memory=memory)
     if record:
-        events = suggest.recording(pair, events, greedy=params.greedy)
+        events = suggest.recording(pair, events, greedy=how.greedy)
     for event in events:
         if isinstance(event, Finished):
             done = event
@@ -110,8 +100,8 @@ def run_ours(
     s = done.stats
     return Run(
         prompt.id,
-        algorithm,
-        0 if Algorithm(algorithm).plain else k,
+        how.algorithm.value,
+        0 if how.algorithm.plain else how.draft_tokens,
         list(done.target_ids),
         s.wall_s,
         s.tokens,
@@ -374,7 +364,16 @@ def bench(
         if a == "llamacpp":
             return run_llamacpp(pair, llm, prompt, p, n)
         scope = memory.scope(pair.tokenizer_key, label(a, kk)) if record else None
-        return run_ours(pair, prompt, a, kk, p, n, record, scope)
+        how = GenerationSettings(
+            algorithm=a,
+            draft_tokens=kk or "auto",  # plain decoding's 0: it drafts nothing whatever this says
+            temperature=p.temperature,
+            top_k=p.top_k,
+            top_p=p.top_p,
+            seed=seed,
+            max_new_tokens=n,
+        )
+        return run_ours(pair, prompt, how, record, scope)
 
     log(f"warm-up: every algorithm once on {prompts[0].id}, 8 tokens")
     first: dict[str, tuple[str, int | str | None]] = {}
