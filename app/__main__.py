@@ -32,14 +32,11 @@ def create(
     device: str | None = None,
     precision: str | None = None,
     log=print,
-    backend: str | None = None,
     api_key: str | None = None,
 ):
     """Load the pair and build the page (not launched), with the /v1 routes on the same pair (added at launch).
-    A pair that fails to load leaves the UI up, saying why. With `backend` (an OpenAI-compatible server's /v1 URL)
-    the UI is a front end for that server instead: no local pair, no /v1 of its own."""
+    A pair that fails to load leaves the UI up, saying why."""
     from usd.catalog import load_catalog
-    from usd.serve.main import API_KEY_ENV
     from usd.serve.slots import Slots
 
     from .pairs import NO_DRAFTER, Pairs
@@ -48,16 +45,6 @@ def create(
     from .v1 import AppService
 
     catalog = load_catalog()
-    api_key = api_key if api_key is not None else os.environ.get(API_KEY_ENV)
-    if backend:
-        from . import remote
-
-        pairs = remote.RemotePairs(backend, api_key, catalog)
-        try:
-            pairs.connect()
-        except (ValueError, OSError, RuntimeError) as e:  # LoadError: say so, keep going; it is asked again later
-            log(f"usd-chat: {e}\nThe UI starts anyway and asks the backend again at the first request.")
-        return build(pairs, stream=remote.stream), pairs
     pairs = Pairs(catalog, space_mode() if space is None else space, device=device, precision=precision)
     target, drafter = target or catalog.default.target, drafter or catalog.default.drafter
     drafter = NO_DRAFTER if drafter == NO_DRAFTER_ARG else drafter
@@ -70,8 +57,31 @@ def create(
         )
     slots = Slots()
     page = build(pairs, slots)
-    page.service = AppService(pairs, slots=slots, api_key=api_key, wrap=gpu)  # launch() adds its routes
+    page.service = AppService(pairs, slots=slots, api_key=_api_key(api_key), wrap=gpu)  # launch() adds its routes
     return page, pairs
+
+
+def create_front_end(backend: str, api_key: str | None = None, log=print):
+    """The page (not launched) as a front end for an OpenAI-compatible server (`backend`, its /v1 URL): no local
+    pair, no /v1 of its own. A backend that does not answer yet leaves the UI up, saying why."""
+    from usd.catalog import load_catalog
+
+    from . import remote
+    from .ui import build
+
+    pairs = remote.RemotePairs(backend, _api_key(api_key), load_catalog())
+    try:
+        pairs.connect()
+    except (ValueError, OSError, RuntimeError) as e:  # LoadError: say so, keep going; it is asked again later
+        log(f"usd-chat: {e}\nThe UI starts anyway and asks the backend again at the first request.")
+    return build(pairs, stream=remote.stream), pairs
+
+
+def _api_key(given: str | None) -> str | None:
+    """With --backend, the key sent to it; otherwise the key the app's /v1 routes require (default: the variable)."""
+    from usd.serve.main import API_KEY_ENV
+
+    return given if given is not None else os.environ.get(API_KEY_ENV)
 
 
 def launch(page, host: str, port: int | None, share: bool = False, concurrency: int = 1, max_queue: int = 16, **kwargs):
@@ -147,15 +157,10 @@ def main(argv: list[str] | None = None) -> int:
     from .space import SpaceModelsError
 
     try:
-        page, _ = create(
-            args.target,
-            args.drafter,
-            args.space,
-            args.device,
-            args.precision,
-            backend=args.backend,
-            api_key=args.api_key,
-        )
+        if args.backend:
+            page, _ = create_front_end(args.backend, args.api_key)
+        else:
+            page, _ = create(args.target, args.drafter, args.space, args.device, args.precision, api_key=args.api_key)
     except SpaceModelsError as e:  # the deployer's list of served models is wrong: say which name, exit
         parser.error(str(e))
     launch(page, args.host, args.port, args.share, args.concurrency, args.max_queue)

@@ -88,10 +88,14 @@ def rank_drafters(h, t_choice, t_free="", progress=gr.Progress()):  # noqa: B008
             if model is not None and name in pairs.catalog:
                 loaded[name] = suggest.Model(name, model, tok, pairs.catalog.get(name).family)
     load = suggest.loader(pairs.catalog, pairs.device, pairs.precision, loaded=loaded)
-    key, prompts = suggest.prompt_set(PROMPTS)
-    report = suggest.suggest(
-        target, drafters, load, prompts, key, precision=pairs.precision, progress=lambda f, msg: progress(f, desc=msg)
-    )
+    on = suggest.prompt_set(PROMPTS)
+    prompts = on.prompts
+
+    def stage(fraction, msg):  # the stages only: a drafter's measurement lines stay out of the bar
+        if fraction is not None:
+            progress(fraction, desc=msg)
+
+    report = suggest.suggest(target, drafters, load, on, precision=pairs.precision, progress=stage)
     best = next((r for r in report["rows"] if not r.get("plain")), None)
     runnable = [r["drafter"] for r in report["rows"] if not r.get("plain") and r["expected_speedup"] is not None]
     message = (

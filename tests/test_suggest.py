@@ -97,7 +97,7 @@ def test_ranking_measures_tiny_drafters_and_puts_the_one_that_cannot_draft_last(
         loads.append(name)
         return models[name]
 
-    report = suggest.suggest("t", ["no-vocab", "bl"], load, PROMPTS[:2], "tiny", answer_tokens=16)
+    report = suggest.suggest("t", ["no-vocab", "bl"], load, suggest.PromptSet("tiny", PROMPTS[:2], 16))
     rows = {r["drafter"]: r for r in report["rows"]}
     assert report["rows"][-1]["drafter"] == "no-vocab"
     assert rows["no-vocab"]["expected_speedup"] is None
@@ -111,7 +111,7 @@ def test_ranking_measures_tiny_drafters_and_puts_the_one_that_cannot_draft_last(
     assert sorted(report["v"]) == list(range(1, 9))
     # measured once: a second ranking reads the cache (the target still loads, to know the machine)
     loads.clear()
-    again = suggest.suggest("t", ["no-vocab", "bl"], load, PROMPTS[:2], "tiny", answer_tokens=16)
+    again = suggest.suggest("t", ["no-vocab", "bl"], load, suggest.PromptSet("tiny", PROMPTS[:2], 16))
     assert loads == ["t"] and [r["drafter"] for r in again["rows"]] == [r["drafter"] for r in report["rows"]]
     assert "| no-vocab |" in suggest.format_table(report)
 
@@ -148,8 +148,10 @@ def test_suggest_runs_through_the_context_interface_as_for_a_gguf_model(tiny_tok
     if which == "both":
         wrapped["bl"] = Model("bl", ContextOnly(d_model), d_tok, "tiny")
     assert not hasattr(wrapped["t"].model, "parameters") and not callable(wrapped["t"].model)
-    expected = suggest.suggest("t", ["bl"], plain.__getitem__, PROMPTS[:2], "tiny", answer_tokens=16)
-    got = suggest.suggest("t", ["bl"], wrapped.__getitem__, PROMPTS[:2], "tiny", answer_tokens=16, precision="gguf")
+    expected = suggest.suggest("t", ["bl"], plain.__getitem__, suggest.PromptSet("tiny", PROMPTS[:2], 16))
+    got = suggest.suggest(
+        "t", ["bl"], wrapped.__getitem__, suggest.PromptSet("tiny", PROMPTS[:2], 16), precision="gguf"
+    )
     assert got["machine"].endswith("/cpu/gguf/ContextOnly") and expected["machine"].endswith("/transformers")
     rows = [{r["drafter"]: r for r in report["rows"]}["bl"] for report in (expected, got)]
     for algorithm in ("tli", "slem"):
@@ -320,12 +322,12 @@ def test_pair_tab_ranking_handler_shows_table_chart_and_loadable_picks(catalog, 
     ]
     seen = {}
 
-    def fake_suggest(target, drafters, load, prompts, key, progress, **_):
-        seen.update(target=target, drafters=drafters, key=key)
+    def fake_suggest(target, drafters, load, on, progress, **_):
+        seen.update(target=target, drafters=drafters, key=on.key)
         progress(0.5, "measuring")
         return {
             "target": target,
-            "prompts": key,
+            "prompts": on.key,
             "machine": "here",
             "v": v,
             "step_s": 0.05,

@@ -75,9 +75,9 @@ def server(real_paths, catalog, tmp_path_factory):
 @pytest.fixture(scope="module")
 def app(server):
     os.environ["GRADIO_ANALYTICS_ENABLED"] = "False"
-    from app.__main__ import create, launch
+    from app.__main__ import create_front_end, launch
 
-    page, pairs = create(backend=server, log=lambda *_: None)
+    page, pairs = create_front_end(server, log=lambda *_: None)
     demo = page.demo
     assert pairs.loaded is not None and pairs.loaded.target == SMOL
     port = free_port()

@@ -589,8 +589,17 @@ def recording(pair, events: Iterator, greedy: bool) -> Iterator:
         yield event
 
 
-def prompt_set(spec: str, limit: int | None = None) -> tuple[str, list[Prompt]]:
-    """('code' | 'chat' | a JSONL file's name and hash, the prompts)."""
+@dataclass(frozen=True)
+class PromptSet:
+    """The prompts a ranking measures on, the key its cached numbers are kept under, and how long each answer is."""
+
+    key: str
+    """'code' | 'chat' | a JSONL file's name and hash, with its limit."""
+    prompts: list[Prompt]
+    answer_tokens: int = ANSWER_TOKENS
+
+
+def prompt_set(spec: str, limit: int | None = None, answer_tokens: int = ANSWER_TOKENS) -> PromptSet:
     from .datasets import load_prompts
 
     if spec in PROMPT_SETS:
@@ -602,7 +611,7 @@ def prompt_set(spec: str, limit: int | None = None) -> tuple[str, list[Prompt]]:
         prompts, key = prompts[:limit], f"{key}[:{limit}]"
     if not prompts:
         raise ValueError(f"the prompt set {spec!r} is empty")
-    return key, prompts
+    return PromptSet(key, prompts, answer_tokens)
 
 
 # --- the whole run ----------------------------------------------------------------------------------------------------
@@ -612,22 +621,20 @@ def suggest(
     target: str,
     drafters: list[str],
     load: Callable[[str], Model],
-    prompts: list[Prompt],
-    prompts_key: str,
+    on: PromptSet,
     *,
-    answer_tokens: int = ANSWER_TOKENS,
     refresh: bool = False,
     precision: str | None = None,
-    log: Callable[[str], None] = lambda msg: None,
-    progress: Callable[[float, str], None] | None = None,
+    progress: Callable[[float | None, str], None] = lambda fraction, msg: None,
 ) -> dict:
     """Measure what is not cached yet, rank, and return {target, prompts, machine, v, rows}. `load(name)` gives a
     loaded Model (called only for what must be measured); cached numbers are keyed by machine, so the target is
     loaded whenever anything is measured, to know the machine it runs on. `precision` is the override `load` applies
     to every model (None: each its catalog's): a drafter's c depends on its runner and weights, which the target's
-    machine does not say, so it keys each drafter's numbers too."""
-    progress = progress or (lambda f, msg: log(msg))
-    key_set = f"{prompts_key}@{answer_tokens}"
+    machine does not say, so it keys each drafter's numbers too. `progress(fraction, message)` hears each stage (and,
+    with fraction None, each drafter's measurement lines)."""
+    prompts, answer_tokens = on.prompts, on.answer_tokens
+    key_set = f"{on.key}@{answer_tokens}"
     progress(0.0, f"loading {target}")
     t = load(target)
     where = machine(t.model)
@@ -659,7 +666,7 @@ def suggest(
         else:
             progress(0.15 + 0.85 * i / max(1, len(drafters)), f"measuring {name}")
             d = load(name)
-            m = measure(t, d, refs_once(), log=log)
+            m = measure(t, d, refs_once(), log=lambda msg: progress(None, msg))
             with _editing() as store:
                 store.setdefault("measured", {})[m_key] = asdict(m)
         measured.append(add_use(m, target))
@@ -796,18 +803,16 @@ def run_cli(args, catalog) -> int:
     drafters = candidates(catalog, target, names, args.all)
     if not drafters:
         raise ValueError("no drafter to rank: none is on this machine (`usd pull NAME`), or name some with --drafters")
-    key, prompts = prompt_set(args.prompts, args.limit)
+    on = prompt_set(args.prompts, args.limit, args.tokens)
     t0 = time.perf_counter()
     report = suggest(
         target,
         drafters,
         loader(catalog, args.device, args.precision),
-        prompts,
-        key,
-        answer_tokens=args.tokens,
+        on,
         refresh=args.refresh,
         precision=args.precision,
-        log=log,
+        progress=lambda fraction, msg: log(msg),
     )
     report["wall_s"] = time.perf_counter() - t0
     if args.json:

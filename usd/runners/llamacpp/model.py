@@ -62,7 +62,6 @@ class LlamaCppModel:
         generation_config=None,
         name: str | None = None,
         repacked_weights: bool = True,
-        max_caches: int = MAX_CACHES,
         **context_params,
     ):
         lib = library()
@@ -99,7 +98,7 @@ class LlamaCppModel:
         """Each cache's llama.cpp context and batch, freed before the model."""
         self._finalizer = weakref.finalize(self, _free, lib, model, self._handles)
         self.n_threads = threads
-        self.pool = CachePool(self._new_cache, threads, max_caches)
+        self.pool = CachePool(self._new_cache, threads, MAX_CACHES)  # (a test may lower pool.max_caches)
         self.n_ctx = self.pool.caches[0].n_ctx
         self.config = GGUFConfig(max_position_embeddings=self.n_ctx, vocab_size=self.n_vocab, n_ctx_train=n_train)
         if self.batching.exact_rows and not _exact_rows_checked:
