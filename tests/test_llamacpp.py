@@ -366,7 +366,7 @@ def test_a_cache_rolled_back_through_many_rejections_equals_a_fresh_evaluation(g
     model = pair.target
     ids, dids = pair.target_tokenizer.encode(PROMPTS[3]), pair.drafter_tokenizer.encode(PROMPTS[3])
     params = SamplingParams(temperature=1.0, seed=3)  # sampling from the full distribution: drafts are often rejected
-    gen = Generation(pair, ids, dids, "tli", 8, params, 96, (), probe_first=True)
+    gen = Generation(pair, ids, dids, how(algorithm="tli", k=8, params=params, max_new_tokens=96), probe_first=True)
     while gen.answer.stop_reason is None:
         gen.step()
     assert gen.tally.drafted - gen.tally.accepted >= 20, "too few rejections to test rollback"

@@ -300,7 +300,7 @@ def test_the_app_serves_the_ui_and_v1_side_by_side(pair, expected, monkeypatch):
 def test_the_app_as_a_front_end_for_usd_serve_shows_pieces_and_stats(tmp_path, real_paths, expected):
     from gradio_client import Client
 
-    from app.__main__ import create, launch
+    from app.__main__ import create_front_end, launch
 
     port = free_port()
     log = open(tmp_path / "serve.log", "w")  # noqa: SIM115
@@ -323,7 +323,7 @@ def test_the_app_as_a_front_end_for_usd_serve_shows_pieces_and_stats(tmp_path, r
                 if httpx.get(f"{url}/models", headers={"Authorization": f"Bearer {KEY}"}, timeout=5).is_success:
                     break
             time.sleep(1)
-        page, _ = create(backend=url, api_key=KEY, log=lambda *_: None)
+        page, _ = create_front_end(url, api_key=KEY, log=lambda *_: None)
         app_port = free_port()
         launch(page, "127.0.0.1", app_port, prevent_thread_lock=True, quiet=True)
         ui = Client(f"http://127.0.0.1:{app_port}/", verbose=False)
