@@ -139,7 +139,7 @@ def test_a_build_with_openmp_says_what_it_costs_in_the_load_line(gguf, monkeypat
     build it on its own threads."""
     from usd.runners.llamacpp import binding
 
-    monkeypatch.setitem(binding._state, "openmp", True)
+    monkeypatch.setitem(binding._state, "threadpools", None)  # as an OpenMP build has
     why = gguf[QWEN][0].rule_why
     assert binding.OPENMP_HINT in why and "./dev.sh setup" in why
 

@@ -80,13 +80,14 @@ def library():
                 errors.append(text.decode("utf-8", "replace").strip())
                 del errors[:-5]
 
-        _refuse_amx(llama_cpp.llama_print_system_info())
+        system_info = llama_cpp.llama_print_system_info()
+        _refuse_amx(system_info)
         llama_cpp.llama_log_set(log, ctypes.c_void_p(0))
         llama_cpp.llama_backend_init()
         _state.update(lib=llama_cpp, log=log, errors=errors)  # the callback must outlive every call into llama.cpp
         _state.update(_exact_rows())
-        _state["openmp"] = b"OPENMP = 1" in llama_cpp.llama_print_system_info()
-        _state["threadpools"] = None if _state["openmp"] else Threadpools(llama_cpp.llama_cpp._lib)
+        openmp = b"OPENMP = 1" in system_info  # its threads are OpenMP's: no pools of llama.cpp's own to keep
+        _state["threadpools"] = None if openmp else Threadpools(llama_cpp.llama_cpp._lib)
         return llama_cpp
 
 
@@ -132,8 +133,7 @@ def exact_rows_why() -> str:
 
 def threads_why() -> str:
     """What the build's threading costs (empty for llama.cpp on its own threads)."""
-    library()
-    return OPENMP_HINT if _state["openmp"] else ""
+    return OPENMP_HINT if threadpools() is None else ""
 
 
 GGML_MAX_N_THREADS = 512  # ggml.h

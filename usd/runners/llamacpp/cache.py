@@ -32,7 +32,11 @@ class LlamaCache:
         if not ctx:
             raise RuntimeError(f"llama.cpp could not create a context for {path}{last_errors()}")
         pools = threadpools()
-        free_pool = pools.attach_new(ctx, params.n_threads) if pools is not None else None
+        try:
+            free_pool = pools.attach_new(ctx, params.n_threads) if pools is not None else None
+        except Exception:  # the context is in no handle yet: nothing else would free it
+            lib.llama_free(ctx)
+            raise
         batch = lib.llama_batch_init(N_BATCH, 0, 1)
         handles.append((ctx, batch, free_pool))
         self._lib, self._ctx, self._batch, self._mem = lib, ctx, batch, lib.llama_get_memory(ctx)
