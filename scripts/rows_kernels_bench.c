@@ -36,7 +36,7 @@ static double now(void) {
     return t.tv_sec + t.tv_nsec * 1e-9;
 }
 
-// random bytes, with each fp16 scale a small normal number (random bits could be inf or NaN)
+// random bytes (main then sets each fp16 scale to a small normal number: random bits could be inf or NaN)
 static void fill(void * p, size_t n) {
     for (size_t i = 0; i < n; i++) ((uint8_t *) p)[i] = rand();
 }
