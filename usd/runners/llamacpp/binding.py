@@ -139,6 +139,14 @@ def threads_why() -> str:
 GGML_MAX_N_THREADS = 512  # ggml.h
 
 
+POLL = 0
+"""How long a pool's idle threads spin for the next graph before they sleep (ggml's 0-100; its default polls). A pair
+has two pools, the target's and the drafter's, on the same cores, and they take turns: a pool that spins after its
+turn takes the cores from the other's, which then computes on fewer (a drafter step and the verify after it took
+several times as long; docs/benchmarks.md, "Two thread pools"). Sleeping costs a wake-up per llama_decode, nothing
+measurable next to a step."""
+
+
 class _ThreadpoolParams(ctypes.Structure):
     """ggml.h's struct ggml_threadpool_params."""
 
@@ -175,6 +183,7 @@ class Threadpools:
             raise InternalError(f"a llama.cpp thread pool of {n_threads} threads")
         params = _ThreadpoolParams()
         self._init(ctypes.byref(params), n_threads)
+        params.poll = POLL
         pool = self._new(ctypes.byref(params))
         if not pool:
             raise RuntimeError(f"llama.cpp could not start {n_threads} threads{last_errors()}")
