@@ -11,6 +11,7 @@ import tiny_tokenizers as tiny
 from tiny_pairs import how, tiny_pair
 
 from usd import costs
+from usd.algorithms import Algorithm
 from usd.decoder import stream
 from usd.events import Finished
 from usd.pair import Pair
@@ -113,15 +114,15 @@ def test_what_auto_learned_while_decoding_is_kept_for_the_next_process_on_this_m
     names, step = ("tiny-target", "tiny-drafter"), 0.03
     at_load = {"step_s": step, "c": 0.14, "v": {"1": 1.53, "2": 1.9, "4": 2.6}, "feed": 0.01}
     first = restarted()
-    assert not first.memory.schedule and Schedule(first, "auto", "auto").bound is None
-    s = Schedule(first, "auto", "auto")
+    assert not first.memory.schedule and Schedule(first, Algorithm.AUTO, "auto").bound is None
+    s = Schedule(first, Algorithm.AUTO, "auto")
     for _ in range(5):
         s.observe(RoundRecord("none", 0, 0, 0, verify_s=step))
         s.observe(RoundRecord("tli", 1, 1, 0, draft_steps=1, draft_s=0.30 * step, verify_s=2.06 * step))
         s.observe(RoundRecord("tli", 4, 4, 0, draft_steps=4, draft_s=4 * 0.30 * step, verify_s=4.1 * step))
     costs.remember(first)
 
-    second = Schedule(restarted(), "auto", "auto")
+    second = Schedule(restarted(), Algorithm.AUTO, "auto")
     assert second.bound is not None and second.bound.measured == "while decoding"
     assert (second.bound.c, second.modes) == (pytest.approx(0.30), ["none"])
 

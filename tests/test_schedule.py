@@ -16,6 +16,8 @@ from usd.pair import PairMemory
 from usd.record import RoundRecord
 from usd.schedule import K_MAX, K_START, MIN_TRIES, PROBE_BUDGET, PROBE_EVERY, CostModel, Schedule, speedup_bound, tau
 
+AUTO = Algorithm.AUTO
+
 
 def fake_pair(same_tokenizer=False, drafter=True):
     return SimpleNamespace(same_tokenizer=same_tokenizer, memory=PairMemory(), drafter="a drafter" if drafter else None)
@@ -76,7 +78,7 @@ LOSES = dict(alpha={"tli": 0.4, "slem": 0.3}, draft={"tli": 0.45, "slem": 0.45},
 
 
 def test_probe_round_first_then_every_mode_is_tried():
-    chosen = [m for m, _ in World(**PAYS).run(Schedule(fake_pair(), "auto", "auto"), 1 + 3 * MIN_TRIES)]
+    chosen = [m for m, _ in World(**PAYS).run(Schedule(fake_pair(), AUTO, "auto"), 1 + 3 * MIN_TRIES)]
     assert chosen[0] == "none"
     assert all(chosen.count(m) >= MIN_TRIES for m in ("none", "tli", "slem"))
 
@@ -91,9 +93,9 @@ def test_the_cost_model_picks_the_k_the_formula_says():
     model.modes["tli"]["hits"] = [0.7, 1.0]
     model.modes["tli"]["draft"] = [0.08, 1.0]
     model.modes["tli"]["other"] = [0.0, 1.0]
-    k, rate = model.best_k("tli")
+    k, rate = model.best_k(Algorithm.TLI)
     assert (k, rate) == (best_by_formula(world, "tli")[0], pytest.approx(best_by_formula(world, "tli")[1]))
-    assert model.expected_speedup("tli", k) == pytest.approx(rate * world.verify(1))
+    assert model.expected_speedup(Algorithm.TLI, k) == pytest.approx(rate * world.verify(1))
 
 
 def test_a_first_plain_step_slowed_by_other_work_does_not_make_verifies_look_cheap():
@@ -113,7 +115,7 @@ def test_a_first_plain_step_slowed_by_other_work_does_not_make_verifies_look_che
 
 
 def test_speculates_at_the_best_k_where_it_pays():
-    s = Schedule(fake_pair(), "auto", "auto")
+    s = Schedule(fake_pair(), AUTO, "auto")
     chosen = World(**PAYS).run(s, 300)[100:]
     assert [m for m, _ in chosen].count("tli") / len(chosen) > 0.85
     k_best, _ = best_by_formula(World(**PAYS), "tli")
@@ -129,7 +131,7 @@ def test_falls_back_to_plain_when_every_k_loses_and_probes_less_and_less():
     assert all(best_by_formula(world, m)[1] < 1 / world.verify(1) for m in ("tli", "slem"))  # every k loses
     chosen = []
     for _ in range(30):
-        chosen += [m for m, _ in world.run(Schedule(pair, "auto", "auto", answer_tokens=100), 100)]
+        chosen += [m for m, _ in world.run(Schedule(pair, AUTO, "auto", answer_tokens=100), 100)]
     settled = chosen[500:]  # after the trials that judge each mode (MIN_TRIES, at most one per answer here)
     assert settled.count("none") / len(settled) > 0.99
     for algorithm in ("tli", "slem"):
@@ -141,7 +143,7 @@ def test_falls_back_to_plain_when_every_k_loses_and_probes_less_and_less():
 def test_probing_a_mode_whose_drafter_must_catch_up_costs_at_most_the_probing_budget():
     """A probe that costs far more than its round (the drafter's prefill) waits until it is PROBE_BUDGET of the time."""
     world = World(**LOSES, setup=8.0)  # a wait of about 900 rounds: under PROBE_BUDGET_MAX
-    s = Schedule(fake_pair(), "auto", "auto")
+    s = Schedule(fake_pair(), AUTO, "auto")
     world.run(s, 200)  # settled: every k loses
     spent_before, tokens = world.spent, 4000
     world.run(s, tokens)
@@ -153,14 +155,14 @@ def test_a_fixed_algorithm_that_lost_is_not_probed_at_once_by_auto():
     """The pair's memory carries what a tli generation cost, its drafter's prefill included (paid in its first round,
     before the mode could be judged): auto starts with the wait that pays that off, not with a probe."""
     pair, world = fake_pair(), World(**LOSES, setup=8.0)
-    world.run(Schedule(pair, "none", 0), 20)
-    world.run(Schedule(pair, "tli", "auto"), 40)
-    chosen = [m for m, _ in world.run(Schedule(pair, "auto", "auto"), 700)]
+    world.run(Schedule(pair, Algorithm.NONE, 0), 20)
+    world.run(Schedule(pair, Algorithm.TLI, "auto"), 40)
+    chosen = [m for m, _ in world.run(Schedule(pair, AUTO, "auto"), 700)]
     assert "tli" not in chosen[:600]  # about 900 rounds: 9 plain rounds of excess at 1%
 
 
 def test_a_plain_round_names_the_speculation_it_declined_and_why():
-    s = Schedule(fake_pair(), "auto", "auto")
+    s = Schedule(fake_pair(), AUTO, "auto")
     world = World(**LOSES)
     world.run(s, 200)
     mode, _ = world.round(s)
@@ -169,7 +171,7 @@ def test_a_plain_round_names_the_speculation_it_declined_and_why():
     algorithm, k, speedup = s.declined
     assert algorithm in ("tli", "slem") and speedup < 1, "every k loses here: the best option is below plain"
     assert speedup == pytest.approx(s.model.expected_speedup(algorithm, k))
-    s = Schedule(fake_pair(), "auto", "auto")
+    s = Schedule(fake_pair(), AUTO, "auto")
     world = World(**PAYS)
     world.run(s, 200)
     assert s.next()[0] != "none" and s.declined is None
@@ -177,7 +179,7 @@ def test_a_plain_round_names_the_speculation_it_declined_and_why():
 
 def test_switches_to_the_algorithm_that_wins_and_back():
     pair = fake_pair()
-    s = Schedule(pair, "auto", "auto")
+    s = Schedule(pair, AUTO, "auto")
     chosen = [m for m, _ in World(**PAYS).run(s, 120)]
     assert chosen[-20:].count("tli") >= 18
     # later the drafter stops paying (say the text changed): auto notices at the next probes and goes plain
@@ -187,23 +189,26 @@ def test_switches_to_the_algorithm_that_wins_and_back():
 
 def test_memory_carries_over_to_the_next_generation_of_the_pair():
     pair = fake_pair()
-    World(**PAYS).run(Schedule(pair, "auto", "auto"), 60)
-    chosen = [m for m, _ in World(**PAYS).run(Schedule(pair, "auto", "auto"), 6)]
+    World(**PAYS).run(Schedule(pair, AUTO, "auto"), 60)
+    chosen = [m for m, _ in World(**PAYS).run(Schedule(pair, AUTO, "auto"), 6)]
     assert chosen[0] == "none" and chosen[1:] == ["tli"] * 5  # no re-exploration after the probe step
 
 
 def test_identical_tokenizers_choose_between_plain_and_standard():
     world = World(alpha={"standard": 0.8}, draft={"standard": 0.1})
-    assert {m for m, _ in world.run(Schedule(fake_pair(same_tokenizer=True), "auto", 4), 30)} == {"none", "standard"}
+    assert {m for m, _ in world.run(Schedule(fake_pair(same_tokenizer=True), AUTO, 4), 30)} == {
+        "none",
+        "standard",
+    }
 
 
 def test_fixed_algorithm_and_k_stay_fixed():
-    chosen = World(**LOSES).run(Schedule(fake_pair(), "slem", 3), 10)
+    chosen = World(**LOSES).run(Schedule(fake_pair(), Algorithm.SLEM, 3), 10)
     assert chosen[0] == ("none", 0) and set(chosen[1:]) == {("slem", 3)}
 
 
 def test_adaptive_k_starts_at_k_start_then_follows_the_model():
-    s = Schedule(fake_pair(), "tli", "auto", probe_first=False)
+    s = Schedule(fake_pair(), Algorithm.TLI, "auto", probe_first=False)
     assert s.min_confidence > 0
     generous = World(alpha={"tli": 0.97}, draft={"tli": 0.02})
     ks = [k for _, k in generous.run(s, 40)]
@@ -215,7 +220,7 @@ def test_adaptive_k_starts_at_k_start_then_follows_the_model():
 
 def test_a_seeded_rejection_sampling_run_drafts_a_length_no_timing_can_change():
     """A seed must fix tli's sample, and its draws depend on where rounds are cut: k may not follow wall-clock times."""
-    s = Schedule(fake_pair(), "tli", "auto", probe_first=False, seeded_sampling=True)
+    s = Schedule(fake_pair(), Algorithm.TLI, "auto", probe_first=False, seeded_sampling=True)
     generous = World(alpha={"tli": 0.97}, draft={"tli": 0.02})
     assert {k for _, k in generous.run(s, 30)} == {K_START} and s.min_confidence > 0
 
@@ -255,7 +260,7 @@ def test_a_machine_that_gets_busy_while_auto_decodes_plainly_does_not_make_specu
     the two, a verify looked cheaper than it is and auto switched to speculating, at a loss. Each forward is now
     compared with the plain steps measured near it, so the spell slows both alike and auto stays plain."""
     world = Busy(**CPU, rng=random.Random(seed), busy_from=1000, slowdown=2.5)
-    s = Schedule(fake_pair(), "auto", "auto")
+    s = Schedule(fake_pair(), AUTO, "auto")
     assert [m for m, _ in world.run(s, 1000)][-500:].count("none") >= 495  # settled: plain, probes far apart
     spell = [m for m, _ in world.run(s, 150)]
     speculating = [i for i, m in enumerate(spell) if m != "none"]
@@ -266,11 +271,11 @@ def test_a_mode_that_realises_less_than_plain_decoding_is_dropped_whatever_the_m
     """The model may be wrong (here it is made to promise tli 1.5x): rounds that realised fewer tokens per second
     than plain decoding, measured near them, drop the mode from the answer; it is only probed again."""
     world = World(**LOSES)
-    s = Schedule(fake_pair(), "auto", "auto")
+    s = Schedule(fake_pair(), AUTO, "auto")
     real_rate = s.model.rate
 
     def promising(mode, k):
-        plain = real_rate("none", 0)
+        plain = real_rate(Algorithm.NONE, 0)
         return 1.5 * plain if mode == "tli" and plain else real_rate(mode, k)
 
     monkeypatch.setattr(s.model, "rate", promising)
@@ -307,17 +312,17 @@ def test_the_bound_is_the_best_draft_length_with_every_draft_accepted():
 
 def test_where_no_draft_length_can_pay_auto_decodes_plainly_from_the_first_round_and_never_probes():
     pair = costed_pair(0.28, ON_THIS_CPU)
-    s = Schedule(pair, "auto", "auto")
+    s = Schedule(pair, AUTO, "auto")
     assert {m for m, _ in World(**CPU).run(s, 3000)} == {"none"}
     assert s.bound is not None and s.bound.speedup == pytest.approx(speedup_bound(0.28, ON_THIS_CPU)[1])
     assert (s.bound.c, s.bound.k) == (0.28, speedup_bound(0.28, ON_THIS_CPU)[0])
     # a fixed algorithm is the user's choice: it drafts whatever the bound says
-    assert "tli" in {m for m, _ in World(**CPU).run(Schedule(pair, "tli", "auto"), 5)}
+    assert "tli" in {m for m, _ in World(**CPU).run(Schedule(pair, Algorithm.TLI, "auto"), 5)}
 
 
 def test_where_every_draft_accepted_could_pay_auto_probes_as_before():
     pair = costed_pair(0.05, {1: 1.05, 2: 1.1, 4: 1.2})  # a GPU: verifying a few tokens costs about a step
-    s = Schedule(pair, "auto", "auto")
+    s = Schedule(pair, AUTO, "auto")
     chosen = [m for m, _ in World(**PAYS).run(s, 1 + 3 * MIN_TRIES)]
     assert s.bound is None and all(chosen.count(m) >= MIN_TRIES for m in ("none", "tli", "slem"))
 
@@ -325,9 +330,9 @@ def test_where_every_draft_accepted_could_pay_auto_probes_as_before():
 def test_tli_is_left_out_where_its_alpha_ceiling_cannot_pay():
     v = {1: 1.3, 2: 1.6, 4: 2.2}
     assert speedup_bound(0.1, v)[1] > 1 > speedup_bound(0.1, v, ceiling=0.3)[1]
-    s = Schedule(costed_pair(0.1, v, tli_ceiling=0.3), "auto", "auto")
+    s = Schedule(costed_pair(0.1, v, tli_ceiling=0.3), AUTO, "auto")
     assert s.modes == ["none", "slem"] and s.bound is None
-    assert Schedule(costed_pair(0.1, v, tli_ceiling=0.9), "auto", "auto").modes == ["none", "tli", "slem"]
+    assert Schedule(costed_pair(0.1, v, tli_ceiling=0.9), AUTO, "auto").modes == ["none", "tli", "slem"]
 
 
 # --- the n-gram lookup as one of auto's sources (issue 25 point 2) -------------------------------------------------
@@ -338,11 +343,11 @@ COPYING = dict(alpha={"tli": 0.6, "slem": 0.55, "ngram": 0.95}, draft={**CPU["dr
 
 def test_auto_weighs_the_lookup_only_in_rounds_where_it_found_something():
     world = World(**{**CPU, **COPYING}, rng=random.Random(1))
-    chosen = [m for m, _ in world.run(Schedule(fake_pair(), "auto", "auto", lookup=True), 400)]
+    chosen = [m for m, _ in world.run(Schedule(fake_pair(), AUTO, "auto", lookup=True), 400)]
     assert "ngram" in chosen and all(world.lookups[i] for i, m in enumerate(chosen) if m == "ngram")
     # a fixed ngram decodes plainly where its lookup finds nothing
     world = World(**{**CPU, **COPYING}, rng=random.Random(1))
-    fixed = [m for m, _ in world.run(Schedule(fake_pair(), "ngram", "auto", lookup=True), 200)]
+    fixed = [m for m, _ in world.run(Schedule(fake_pair(), Algorithm.NGRAM, "auto", lookup=True), 200)]
     assert all((m == "ngram") == found for m, found in zip(fixed[2:], world.lookups[2:], strict=True))
 
 
@@ -351,7 +356,7 @@ def test_where_the_drafter_model_cannot_pay_auto_drafts_by_lookup_at_the_verify_
     copied spans can (k = 2 at alpha 0.95: 2.85 tokens for a verify of 2.36 steps). auto leaves the model out from
     the first round (its bound) and runs the lookup where it finds something, at about the k the formula says."""
     pair = costed_pair(0.28, ON_THIS_CPU)
-    s = Schedule(pair, "auto", "auto", lookup=True)
+    s = Schedule(pair, AUTO, "auto", lookup=True)
     assert s.modes == ["none", "ngram", "suffix"] and s.bound is not None
     world = World(**{**CPU, **COPYING}, rng=random.Random(2))
     chosen = world.run(s, 600)
@@ -365,17 +370,21 @@ def test_where_the_drafter_model_cannot_pay_auto_drafts_by_lookup_at_the_verify_
 
 def test_a_lookup_that_is_seldom_right_is_left_for_plain_decoding():
     world = World(**{**CPU, "alpha": {**CPU["alpha"], "ngram": 0.2}, "draft": COPYING["draft"]})
-    chosen = [m for m, _ in world.run(Schedule(costed_pair(0.28, ON_THIS_CPU), "auto", "auto", lookup=True), 2000)]
+    chosen = [m for m, _ in world.run(Schedule(costed_pair(0.28, ON_THIS_CPU), AUTO, "auto", lookup=True), 2000)]
     assert chosen[200:].count("none") / 1800 > 0.98
 
 
 def test_a_seeded_auto_weighs_the_lookup_and_a_pair_without_a_drafter_weighs_only_it():
     lookups = ["ngram", "suffix"]
-    assert Schedule(fake_pair(), "auto", "auto", seeded_sampling=True, lookup=True).modes == ["none", "slem", *lookups]
-    assert Schedule(fake_pair(drafter=False), "auto", "auto", lookup=True).modes == ["none", *lookups]
-    assert Schedule(fake_pair(drafter=False), "auto", "auto").modes == ["none"]
+    assert Schedule(fake_pair(), AUTO, "auto", seeded_sampling=True, lookup=True).modes == [
+        "none",
+        "slem",
+        *lookups,
+    ]
+    assert Schedule(fake_pair(drafter=False), AUTO, "auto", lookup=True).modes == ["none", *lookups]
+    assert Schedule(fake_pair(drafter=False), AUTO, "auto").modes == ["none"]
     # a free draft cannot pay where verifying k + 1 tokens costs k + 1 steps or more: then the lookup is left out too
-    assert Schedule(costed_pair(0.28, {1: 2.1, 2: 3.2, 4: 5.5}), "auto", "auto", lookup=True).modes == ["none"]
+    assert Schedule(costed_pair(0.28, {1: 2.1, 2: 3.2, 4: 5.5}), AUTO, "auto", lookup=True).modes == ["none"]
 
 
 # --- auto never loses (issue 41) ------------------------------------------------------------------------------------
@@ -390,7 +399,7 @@ OPTIMISTIC_AT_LOAD = dict(c=0.14, v={1: 1.53, 2: 1.9, 4: 2.6})
 """What the load timed on the same machine: a full acceptance would pay, so auto has to find out by trying."""
 
 
-def answers(world: World, pair, n: int, tokens: int, algorithm: str = "auto") -> list[float]:
+def answers(world: World, pair, n: int, tokens: int, algorithm: Algorithm = AUTO) -> list[float]:
     """Seconds of n answers of `tokens` tokens each, every one a generation of its own on the pair."""
     spent = []
     for _ in range(n):
@@ -422,7 +431,7 @@ def test_where_speculation_cannot_pay_every_answer_costs_at_most_the_probing_bud
 def test_where_speculation_pays_auto_switches_to_it_within_the_first_answer():
     world, pair = World(**PAYS), costed_pair(0.1, {1: 1.05, 2: 1.1, 4: 1.2})
     pair.memory.costs["step_s"] = world.verify(1)
-    s = Schedule(pair, "auto", "auto", answer_tokens=128)
+    s = Schedule(pair, AUTO, "auto", answer_tokens=128)
     chosen = [m for m, _ in world.run(s, 60)]
     assert chosen[20:].count("tli") / 40 > 0.8
     assert s.emitted / world.spent > 1.5 / world.verify(1)  # tokens per second: well above plain decoding's
@@ -433,7 +442,7 @@ def test_a_load_that_makes_speculation_lose_mid_answer_moves_auto_to_plain_decod
     memory-bound), and tli, which paid, now loses. auto notices within a few rounds and decodes plainly; the rounds
     lost after the change stay within the budget."""
     world, pair = World(**PAYS), fake_pair()
-    s = Schedule(pair, "auto", "auto", answer_tokens=400)
+    s = Schedule(pair, AUTO, "auto", answer_tokens=400)
     world.run(s, 100)
     assert s.model.rounds("tli") > 50
     world.draft = {"tli": 0.6, "slem": 0.6}
@@ -463,20 +472,20 @@ def test_costs_are_kept_per_cache_length():
 
 def test_the_load_s_verify_costs_are_a_prior_that_the_loop_s_measurements_correct():
     model = CostModel({}, {"step_s": 1.0, "c": 0.14, "v": {"1": 1.5, "2": 2.0, "4": 3.0}})
-    assert model.V(3) == pytest.approx(2.0) and model.draft_step("tli") == pytest.approx(0.14)
+    assert model.V(3) == pytest.approx(2.0) and model.draft_step(Algorithm.TLI) == pytest.approx(0.14)
     for _ in range(5):  # the loop finds a verify of 2 positions 1.2x what the load timed, and the drafter's step 0.3
         model.observe(RoundRecord("none", 0, 0, 0, verify_s=1.0))
         model.observe(RoundRecord("tli", 1, 1, 0, draft_steps=1, draft_s=0.3, verify_s=1.8))
     assert model.V(2) == pytest.approx(1.8)
     assert model.V(3) == pytest.approx(2.0 * 1.2) and model.V(5) == pytest.approx(3.0 * 1.2)  # scaled alike
-    assert model.draft_step("tli") == pytest.approx(0.3)
+    assert model.draft_step(Algorithm.TLI) == pytest.approx(0.3)
 
 
 def test_a_drafter_that_must_catch_up_is_priced_by_how_much_it_lacks():
     """After a plain stretch the drafter feeds what it missed before it can draft: the probing budget counts it, so a
     drafter that lacks a long conversation is not tried where the budget cannot pay for the catching up."""
     pair = costed_pair(0.1, {1: 1.05, 2: 1.1, 4: 1.2}, feed=0.02)  # a GPU: speculation pays once in step
-    s = Schedule(pair, "auto", "auto", answer_tokens=64)
+    s = Schedule(pair, AUTO, "auto", answer_tokens=64)
     world = World(**PAYS)
     world.round(s)  # the plain probe round
     assert s.model.catch_up(2) == 0.0 and s.model.catch_up(301) == pytest.approx(300 * 0.02)
@@ -486,17 +495,17 @@ def test_a_drafter_that_must_catch_up_is_priced_by_how_much_it_lacks():
 
 def test_a_source_dropped_in_an_answer_is_tried_again_in_the_next_one_within_its_budget():
     world, pair = World(**LOSES), fake_pair()
-    s = Schedule(pair, "auto", "auto", answer_tokens=100)
+    s = Schedule(pair, AUTO, "auto", answer_tokens=100)
     world.run(s, 100)
     assert s.dropped, "its first trial lost more than the budget"
-    assert not Schedule(pair, "auto", "auto", answer_tokens=100).dropped  # a new answer (a new turn): tried again
+    assert not Schedule(pair, AUTO, "auto", answer_tokens=100).dropped  # a new answer (a new turn): tried again
 
 
 def test_each_source_says_why_it_is_off():
     from usd.events import SourceState
 
     pair = costed_pair(0.28, ON_THIS_CPU)
-    s = Schedule(pair, "auto", "auto", lookup=True)
+    s = Schedule(pair, AUTO, "auto", lookup=True)
     world = World(**{**CPU, **COPYING}, rng=random.Random(2))
     world.run(s, 50)
     mode, _ = s.next(available=())
@@ -513,7 +522,37 @@ def test_the_budget_expects_answers_as_long_as_the_pairs_earlier_ones_not_max_ne
     the budget is sized by the typical length of the pair's answers (never more than max new tokens)."""
     pair, world = fake_pair(), World(**LOSES)
     for _ in range(5):
-        world.run(Schedule(pair, "auto", "auto", answer_tokens=4096), 24)
-    s = Schedule(pair, "auto", "auto", answer_tokens=4096)
+        world.run(Schedule(pair, AUTO, "auto", answer_tokens=4096), 24)
+    s = Schedule(pair, AUTO, "auto", answer_tokens=4096)
     assert s.answer_tokens == pytest.approx(24)
-    assert Schedule(pair, "auto", "auto", answer_tokens=10).answer_tokens == 10
+    assert Schedule(pair, AUTO, "auto", answer_tokens=10).answer_tokens == 10
+
+
+ROWS_ON_THIS_CPU = dict(
+    alpha={"tli": 0.6, "slem": 0.55, "ngram": 0.95, "suffix": 0.95},
+    draft={**CPU["draft"], "ngram": 0.001, "suffix": 0.001},
+    verify=lambda n: 1.0 if n == 1 else 1.2 + 0.3 * (n - 2),
+)
+"""A CPU with the exact rows kernel (docs/benchmarks.md: v(3) about 1.8, v(8) 3.3, v(16) 5.7), where both lookups
+copy what the answer repeats: kept 95% of the time."""
+
+
+def test_a_lookup_that_paid_in_earlier_answers_costs_at_most_the_budget_in_one_where_it_is_never_right():
+    """Answers that copied code judged both lookups to pay; then an answer in another script, where they still find
+    short matches but none is right (issue 41's multilingual items): the lookups' tries in it lose at most about
+    PROBE_SHARE of it, not a full-length round of each judged by the earlier answers."""
+    from usd.schedule import PROBE_SHARE
+
+    world = World(**ROWS_ON_THIS_CPU, rng=random.Random(3))
+    pair, tokens = costed_pair(0.28, {1: 1.2, 2: 1.5, 4: 2.1}), 48
+    for _ in range(4):
+        s = Schedule(pair, AUTO, "auto", lookup=True, answer_tokens=tokens)
+        while s.emitted < tokens:
+            world.round(s)
+    assert s.model.alpha("ngram") > 0.8 and s.model.rounds("suffix") >= MIN_TRIES, "the lookups were judged to pay"
+    world.alpha = {**world.alpha, "ngram": 0.0, "suffix": 0.0}
+    before, s = world.spent, Schedule(pair, AUTO, "auto", lookup=True, answer_tokens=tokens)
+    while s.emitted < tokens:
+        world.round(s)
+    plain = s.emitted * world.verify(1)
+    assert world.spent - before <= plain * (1 + PROBE_SHARE) + world.verify(1), "the lookups lost more than the budget"

@@ -64,8 +64,9 @@ PROBE_BUDGET_MAX = 1024
 """The longest such wait, in rounds: a probe inflated by a one-off cost (a first call's warm-up) is not trusted more."""
 PROBE_SHARE = 0.02
 """The most of an answer's expected time (its max new tokens at plain decoding's speed, or the tokens so far where
-more) that auto lets speculation lose in it: a round that might lose (a source not yet judged, or judged to lose)
-runs only while its worst case, added to what speculative rounds lost in this answer so far, stays within it."""
+more) that auto lets speculation lose in it: a round that might lose (a source not yet judged, or judged to lose, or
+a lookup that has not yet gained in this answer) runs only while its worst case, added to what speculative rounds
+lost in this answer so far, stays within it."""
 DEFAULT_ANSWER_TOKENS = 128
 """The answer length the probing budget assumes before the pair has given any answer (then: the typical length of
 its answers so far, never more than the max new tokens asked for)."""
@@ -237,7 +238,7 @@ class CostModel:
         """Price what is asked next at a target cache of `context` positions."""
         self.bucket = length_bucket(context)
 
-    def _mode(self, mode: str) -> dict:
+    def _mode(self, mode: Algorithm) -> dict:
         cells = ("draft", "c", "other", "hits")
         return self.modes.setdefault(mode, {**{c: [0.0, 0.0] for c in cells}, "rounds": 0})
 
@@ -276,10 +277,10 @@ class CostModel:
         for i in range(tested_positions(r.accepted, r.drafted)):  # acceptance as the verifier saw it
             Mean.add(m["hits"], 1.0 if i < r.accepted else 0.0, ALPHA_DECAY)
 
-    def rounds(self, mode: str) -> int:
+    def rounds(self, mode: Algorithm) -> int:
         return self.modes.get(mode, {}).get("rounds", 0)
 
-    def alpha(self, mode: str) -> float | None:
+    def alpha(self, mode: Algorithm) -> float | None:
         return Mean.of(self.modes.get(mode, {}).get("hits"))
 
     def V(self, n: int) -> float | None:
@@ -298,7 +299,7 @@ class CostModel:
 
     def drafter_c(self) -> float | None:
         """The drafter's step over the target's as the loop measured it (the cheapest of its modes), if it has."""
-        measured = [c for m, cells in self.modes.items() if Algorithm(m).needs_drafter and (c := Mean.of(cells["c"]))]
+        measured = [c for m in Algorithm if m.needs_drafter and (c := Mean.of(self.modes.get(m, {}).get("c")))]
         return min(measured) if measured else None
 
     def _fresh(self) -> None:
@@ -340,12 +341,12 @@ class CostModel:
         scale = sum(shared) / len(shared) if shared else 1.0
         return {n: vn * scale for n, vn in prior.items()}
 
-    def draft_step(self, mode: str) -> float:
+    def draft_step(self, mode: Algorithm) -> float:
         """The drafter's step in seconds: its ratio to the plain steps near it (the load's c until the loop measured
         one), times the plain step now."""
         m, step = self.modes.get(mode, {}), self.step()
         c = Mean.of(m.get("c"))
-        if c is None and Algorithm(mode).needs_drafter:
+        if c is None and mode.needs_drafter:
             c = self.prior.get("c")
         return c * step if c is not None and step else (Mean.of(m.get("draft")) or 0.0)
 
@@ -355,7 +356,7 @@ class CostModel:
         rate, step = Mean.of(self.feed) or self.prior.get("feed"), self.step()
         return (pending - 1) * rate * step if pending > CATCH_UP_MIN and rate and step else 0.0
 
-    def round_cost(self, mode: str, k: int, pending: int = 0) -> float | None:
+    def round_cost(self, mode: Algorithm, k: int, pending: int = 0) -> float | None:
         """A round's expected seconds; with `pending`, the drafter's catching up on that many positions first."""
         self._fresh()
         key = (mode, k, pending if pending > CATCH_UP_MIN else 0)
@@ -363,29 +364,29 @@ class CostModel:
             self._costs[key] = self._round_cost(mode, k, pending)
         return self._costs[key]
 
-    def _round_cost(self, mode: str, k: int, pending: int) -> float | None:
+    def _round_cost(self, mode: Algorithm, k: int, pending: int) -> float | None:
         verify = self.V(k + 1)
         if verify is None:
             return None
         other = Mean.of(self.modes.get(mode, {}).get("other")) or 0.0
-        catch_up = self.catch_up(pending) if Algorithm(mode).needs_drafter else 0.0
+        catch_up = self.catch_up(pending) if mode.needs_drafter else 0.0
         return k * self.draft_step(mode) + verify + other + catch_up
 
-    def rate(self, mode: str, k: int) -> float | None:
+    def rate(self, mode: Algorithm, k: int) -> float | None:
         """Expected emitted tokens per second of (mode, k) once the drafter is in step; plain decoding's k is 0."""
-        if Algorithm(mode).plain:
+        if mode.plain:
             cost = self.round_cost(mode, 0)
             return 1.0 / cost if cost else None
         alpha, cost = self.alpha(mode), self.round_cost(mode, k)
         return tau(alpha, k) / cost if alpha is not None and cost else None
 
-    def best_k(self, mode: str, k_max: int = K_MAX) -> tuple[int, float | None]:
+    def best_k(self, mode: Algorithm, k_max: int = K_MAX) -> tuple[int, float | None]:
         self._fresh()
         if (mode, k_max) not in self._best_k:
             self._best_k[(mode, k_max)] = self._best_of(mode, k_max)
         return self._best_k[(mode, k_max)]
 
-    def _best_of(self, mode: str, k_max: int) -> tuple[int, float | None]:
+    def _best_of(self, mode: Algorithm, k_max: int) -> tuple[int, float | None]:
         rates = [(self.rate(mode, k), k) for k in range(1, k_max + 1)]
         known = [(r, k) for r, k in rates if r is not None]
         if not known:
@@ -393,7 +394,7 @@ class CostModel:
         rate, k = max(known, key=lambda rk: (rk[0], -rk[1]))  # the shorter draft on a tie
         return k, rate
 
-    def expected_speedup(self, mode: str, k: int) -> float | None:
+    def expected_speedup(self, mode: Algorithm, k: int) -> float | None:
         plain, rate = self.rate(PLAIN, 0), self.rate(mode, k)
         return rate / plain if plain and rate else None
 
@@ -402,7 +403,7 @@ class Schedule:
     def __init__(
         self,
         pair,
-        algorithm: str,
+        algorithm: Algorithm,
         k: int | str,
         probe_first: bool = True,
         seeded_sampling: bool = False,
@@ -411,7 +412,7 @@ class Schedule:
     ):
         """`lookup`: auto may draft by n-gram lookup (the generation keeps the index). `answer_tokens`: the most the
         answer may take (max new tokens), which bounds the length auto's probing budget expects."""
-        self.algorithm = algorithm = Algorithm(algorithm)
+        self.algorithm = algorithm
         self.modes = [algorithm]
         if algorithm.chooses:
             self.modes = auto_modes(pair.same_tokenizer, seeded_sampling, pair.drafter is not None, lookup)
@@ -566,13 +567,22 @@ class Schedule:
 
     def _excess(self, mode: Algorithm, k: int) -> float | None:
         """What a round of (mode, k) would take beyond plain decoding of the tokens it emits, the drafter's catching
-        up included: as expected where the mode is judged, in its worst case (no draft kept) where it is not yet."""
+        up included: as expected where the mode is judged, in its worst case (no draft kept) where it is not yet. A
+        lookup is judged in each answer afresh, by its rounds there: whether it is right depends on whether this
+        answer repeats earlier text, which its acceptance in other answers does not tell (an answer in another
+        language or script after many that copied code)."""
         plain, cost = self.per_token(PLAIN), self.model.round_cost(mode, k, self.pending)
         if plain == float("inf") or cost is None:
             return None
         alpha = self.model.alpha(mode)
         judged = alpha is not None and self.model.rounds(mode) >= MIN_TRIES
+        if mode.looks_up:
+            judged = judged and self._gained_here(mode)
         return cost - (tau(alpha, k) if alpha is not None and judged else 1.0) * plain
+
+    def _gained_here(self, mode: Algorithm) -> bool:
+        """Whether the mode's latest rounds in this answer took less than plain decoding would have."""
+        return (Mean.of(self.recent.get(mode)) or 0.0) < 0
 
     def _fit(self, mode: Algorithm) -> int:
         """auto's draft length for `mode` this round: its k, or the longest shorter one whose round the probing
@@ -583,7 +593,7 @@ class Schedule:
             return 0
         room = self.budget_s() - self.lost_s
         if room <= 0:  # spent: only a mode whose latest rounds gained goes on (the model may lag a change)
-            return self.k_for(mode) if (Mean.of(self.recent.get(mode)) or 0.0) < 0 else 0
+            return self.k_for(mode) if self._gained_here(mode) else 0
         for k in range(self.k_for(mode), 0, -1):
             excess = self._excess(mode, k)
             if excess is None or excess <= room:
@@ -644,7 +654,7 @@ class Schedule:
                 spent = r.seconds + self.setup_s.pop(mode, 0.0)
                 self.gap[mode] = max(longer, self._rounds_to_amortise(spent, r.emitted))
 
-    def _check_realised(self, mode: str, seconds: float, emitted: int, plain_per_token: float) -> None:
+    def _check_realised(self, mode: Algorithm, seconds: float, emitted: int, plain_per_token: float) -> None:
         """Drop `mode` from the rest of this answer once its rounds here took longer than plain decoding would have
         for the same tokens (plain decoding's speed measured near them), over REALISED_ROUNDS rounds or by more than
         the whole probing budget, whatever the model predicted."""
@@ -656,7 +666,7 @@ class Schedule:
         if (cell[2] >= REALISED_ROUNDS and lost > 0) or lost > self.budget_s():
             self.dropped.add(mode)
 
-    def realised_speedup(self, mode: str) -> float | None:
+    def realised_speedup(self, mode: Algorithm) -> float | None:
         """What the mode's rounds in this answer achieved against plain decoding measured near them."""
         cell = self.realised.get(mode)
         return cell[1] / cell[0] if cell and cell[0] > 0 else None
