@@ -7,6 +7,8 @@ from types import SimpleNamespace
 
 import gradio as gr
 
+from usd.algorithms import Algorithm
+
 from . import render
 from .handlers import MODELS, Handlers
 from .space import gpu
@@ -33,7 +35,7 @@ def chat_tab() -> SimpleNamespace:
                 clear = gr.Button("Clear chat", elem_id="clear")
         with gr.Column(scale=2):
             gr.HTML(render.legend_html())
-            live = live_view("live", ("tokens", "stats", "chart"), stats=render.stats_html({}, "auto"))
+            live = live_view("live", ("tokens", "stats", "chart"), stats=render.stats_html({}, Algorithm.AUTO))
     return SimpleNamespace(
         chatbot=chatbot,
         box=box,
@@ -79,7 +81,7 @@ def wire_chat(chat: SimpleNamespace, h: Handlers, knobs: list) -> None:
         )
     chat.stop.click(h.chat_stop, None, None, concurrency_limit=None, api_visibility="private")
     chat.clear.click(
-        lambda: ([], render.LiveFeed.empty(stats=render.stats_html({}, "auto"))),
+        lambda: ([], render.LiveFeed.empty(stats=render.stats_html({}, Algorithm.AUTO))),
         None,
         chat.outputs,
         api_visibility="private",

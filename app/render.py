@@ -10,7 +10,7 @@ import itertools
 import time
 from dataclasses import dataclass, field
 
-from usd.algorithms import NAMES, PLAIN, Algorithm
+from usd.algorithms import LOOKING_UP, PLAIN, SPECS, Algorithm
 from usd.events import KINDS, Finished, Piece, Round, Source, SourceState, Stats
 
 KIND_LABELS = {
@@ -54,7 +54,7 @@ def piece_span(piece: Piece) -> str:
 
 def _lookup_mark(source: str) -> str:
     """Drafted by no model: a mark of its own, and one per lookup (tok-ngram, tok-suffix), so that each shows apart."""
-    if source not in NAMES or not Algorithm(source).looks_up:
+    if source not in LOOKING_UP:  # (a third-party server may name a source this engine does not know)
         return ""
     return f" tok-lookup tok-{source}"
 
@@ -128,7 +128,7 @@ class Live:
     """One generation as the UI shows it: its pieces, the chart's rows, and the engine's own running numbers (every
     event carries them, computed as the final ones are, so live equals final)."""
 
-    algorithm: str
+    algorithm: Algorithm
     baseline_tokens_per_s: float | None = None
     """Plain decoding's tokens/s for this pair, measured earlier (the compare view, or a plain chat answer)."""
     earlier_speculative: tuple[str, float] | None = None
@@ -153,7 +153,7 @@ class Live:
         self.pieces.extend(event.pieces)
         self.k = event.k
         self.expected_speedup = event.expected_speedup
-        if Algorithm(self.algorithm).chooses:
+        if self.algorithm.chooses:
             self.choice = auto_choice(event)
         emitted = len([p for p in event.emitted if p.target_id is not None])
         self.chart.append((event.index, event.accepted, emitted))
@@ -197,7 +197,7 @@ class Live:
             "choice": self.choice,
             "unreported": s.unreported,
         }
-        if Algorithm(self.algorithm).plain:
+        if self.algorithm.plain:
             # plain decoding against plain decoding is no speedup: only an earlier speculative answer compares
             if self.earlier_speculative and s.tokens_per_s:
                 algorithm, rate = self.earlier_speculative
@@ -269,9 +269,8 @@ def _source_text(source: Source) -> str:
 
 def _drafted_by(algorithm: str) -> str:
     """Which source an algorithm drafts from, in words (nothing for a name this engine does not know)."""
-    if algorithm not in NAMES:
-        return ""
-    return f" ({Algorithm(algorithm).spec.drafts_from})"
+    spec = SPECS.get(algorithm)
+    return f" ({spec.drafts_from})" if spec is not None else ""
 
 
 def fmt(x, spec: str = ".2f", unit: str = "", missing: str = "–") -> str:
@@ -291,12 +290,12 @@ def speculation_cost_share(n: dict) -> float | None:
     return speculative * (k * c + v - 1) * step / wall
 
 
-def warning_text(n: dict, algorithm: str) -> str | None:
+def warning_text(n: dict, algorithm: Algorithm) -> str | None:
     """A plain-words warning when speculation is costing time on this pair and this hardware, with the cause its
     numbers show. None where it drafted nothing, or where its rounds cannot have cost the time missing (an auto answer
     that drafted in a few rounds, measured against another answer a little faster)."""
     speedup = n.get("measured_speedup")
-    if Algorithm(algorithm).plain or speedup is None or speedup >= SLOWER or n.get("acceptance_rate") is None:
+    if algorithm.plain or speedup is None or speedup >= SLOWER or n.get("acceptance_rate") is None:
         return None  # (an answer that drafted nothing was not slowed by speculation)
     share = speculation_cost_share(n)
     if share is not None and share < 1 - SLOWER:
@@ -305,7 +304,7 @@ def warning_text(n: dict, algorithm: str) -> str | None:
     kept = f"only {fmt(n.get('acceptance_rate'), '.0%')} of drafts are kept"
     advice = (
         "auto falls back to plain decoding when it measures this"
-        if not Algorithm(algorithm).chooses
+        if not algorithm.chooses
         else "auto is still measuring and will fall back to plain decoding"
     )
     if c is not None and v is not None and k and k * c < v - 1:  # the verify, not the drafter, costs the round
@@ -351,8 +350,8 @@ def unreported_text(n: dict) -> str | None:
     )
 
 
-def stats_html(n: dict, algorithm: str) -> str:
-    rows = _plain_rows(n) if Algorithm(algorithm).plain else _speculative_rows(n)
+def stats_html(n: dict, algorithm: Algorithm) -> str:
+    rows = _plain_rows(n) if algorithm.plain else _speculative_rows(n)
     missing = {STAT_LABELS.get(k) for k in n.get("unreported") or ()}
     rows = [(label, "not reported" if label in missing else value) for label, value in rows]
     body = "".join(f'<tr><th>{k}</th><td data-stat="{k}">{v}</td></tr>' for k, v in rows)

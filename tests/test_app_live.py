@@ -12,6 +12,7 @@ from starlette.testclient import TestClient
 
 from app.live import Channels
 from app.views import ChatViews, Streamed
+from usd.algorithms import Algorithm
 
 
 def served(channels: Channels) -> TestClient:
@@ -85,7 +86,7 @@ def test_the_chat_yields_only_when_its_answer_is_due_or_the_view_is_new():
     from app import render
 
     views = ChatViews([{"role": "user", "content": "hi"}], Channels(), chat_s=3600.0)
-    live = render.Live("none")
+    live = render.Live(Algorithm.NONE)
     assert views.update(live) is not None  # the first: the chat and the view naming its channel
     assert views.update(live) is None  # the chat not due, the view's update on the channel
     views.end()

@@ -12,6 +12,7 @@ from app import render
 from app.handlers import Cancels, InputError, _text, prompt_text, settings
 from app.pairs import NO_DRAFTER, Pairs, SpaceModeError
 from app.space import SPACE_MODELS_ENV, SpaceModelsError, space_mode
+from usd.algorithms import Algorithm
 from usd.events import Finished, Piece, Round, Stats
 from usd.loading import LoadError
 from usd.theory import expected_speedup
@@ -88,7 +89,7 @@ def test_legend_names_every_kind():
 
 
 def test_live_numbers_follow_the_rounds():
-    live = render.Live("tli")
+    live = render.Live(Algorithm.TLI)
     for r in with_stats(
         [
             plain_round(0, verify_s=0.1),
@@ -112,7 +113,7 @@ def test_live_numbers_follow_the_rounds():
 
 
 def test_finished_stats_replace_the_running_estimate_and_a_baseline_gives_measured_speedup():
-    live = render.Live("tli", baseline_tokens_per_s=10.0)
+    live = render.Live(Algorithm.TLI, baseline_tokens_per_s=10.0)
     live.add(with_stats([spec_round(0, ["a"], ["b"], "c", "resampled")])[0])
     stats = Stats(
         "tli", rounds=4, drafted=10, accepted=5, tokens=12, wall_s=2.0, stop_reason="eos", c=0.3, v=1.2, mean_k=2.5
@@ -126,14 +127,14 @@ def test_finished_stats_replace_the_running_estimate_and_a_baseline_gives_measur
 
 def test_warning_only_when_speculation_is_slower():
     slow = {"measured_speedup": 0.7, "c": 0.45, "acceptance_rate": 0.4}
-    text = render.warning_text(slow, "tli")
+    text = render.warning_text(slow, Algorithm.TLI)
     assert "slowing this pair down" in text and "0.70x" in text and "0.45" in text
-    assert render.warning_text(slow, "none") is None
-    assert render.warning_text({"measured_speedup": 1.3}, "tli") is None
-    assert render.warning_text({"measured_speedup": None}, "tli") is None
-    assert "slow-warning" in render.stats_html(slow, "tli")
-    assert "slow-warning" not in render.stats_html({"measured_speedup": 1.2}, "tli")
-    assert render.stats_html({}, "auto").count("–") >= 6  # unknowns are shown as such, not as zeros
+    assert render.warning_text(slow, Algorithm.NONE) is None
+    assert render.warning_text({"measured_speedup": 1.3}, Algorithm.TLI) is None
+    assert render.warning_text({"measured_speedup": None}, Algorithm.TLI) is None
+    assert "slow-warning" in render.stats_html(slow, Algorithm.TLI)
+    assert "slow-warning" not in render.stats_html({"measured_speedup": 1.2}, Algorithm.TLI)
+    assert render.stats_html({}, Algorithm.AUTO).count("–") >= 6  # unknowns are shown as such, not as zeros
 
 
 def _finished(ids, wall_s, algorithm="tli"):
@@ -506,18 +507,18 @@ def test_background_stream_keeps_order_raises_errors_and_cancels_when_abandoned(
 
 def test_the_stats_say_in_words_what_auto_chose_and_why():
     declined = Round(3, 0, (piece("x", "target", 3),), 0, 0, 0.0, 0.1, 0.0, "none", declined=("tli", 1, 0.74))
-    live = render.Live("auto")
+    live = render.Live(Algorithm.AUTO)
     live.add(declined)
-    text = render.stats_html(live.numbers(), "auto")
+    text = render.stats_html(live.numbers(), Algorithm.AUTO)
     assert "plain decoding: the best speculation, tli k=1, is expected at 0.74x" in text
     assert "speculation does not pay on this machine" in text
     live.add(Round(4, 3, (piece("y", "accepted", 4),), 3, 1, 0.01, 0.1, 0.0, "slem", expected_speedup=1.31))
-    assert "slem k=3 (the drafter model), expected 1.31x" in render.stats_html(live.numbers(), "auto")
+    assert "slem k=3 (the drafter model), expected 1.31x" in render.stats_html(live.numbers(), Algorithm.AUTO)
     live.add(Round(5, 2, (piece("z", "accepted", 5),), 2, 2, 0.0, 0.1, 0.0, "ngram", expected_speedup=1.2))
-    assert "ngram k=2 (n-gram lookup, no model), expected 1.20x" in render.stats_html(live.numbers(), "auto")
-    plain = render.Live("tli")
+    assert "ngram k=2 (n-gram lookup, no model), expected 1.20x" in render.stats_html(live.numbers(), Algorithm.AUTO)
+    plain = render.Live(Algorithm.TLI)
     plain.add(declined)
-    assert "auto&#x27;s choice" not in render.stats_html(plain.numbers(), "tli")
+    assert "auto&#x27;s choice" not in render.stats_html(plain.numbers(), Algorithm.TLI)
 
 
 def test_the_stats_name_the_source_in_use_its_gain_and_why_each_other_is_off():
@@ -529,11 +530,11 @@ def test_the_stats_name_the_source_in_use_its_gain_and_why_each_other_is_off():
         Source("slem", SourceState.DROPPED, 0.71),
         Source("ngram", SourceState.IN_USE, 1.42),
     )
-    live = render.Live("auto")
+    live = render.Live(Algorithm.AUTO)
     live.add(
         Round(7, 4, (piece("y", "accepted", 7),), 4, 4, 0.0, 0.1, 0.0, "ngram", expected_speedup=1.3, sources=sources)
     )
-    text = render.stats_html(live.numbers(), "auto")
+    text = render.stats_html(live.numbers(), Algorithm.AUTO)
     assert "ngram k=4 (n-gram lookup, no model), 1.42x plain decoding in this answer so far" in text
     assert "tli: cannot pay on this machine: at most 0.84x with every drafted token accepted" in text
     assert "slem: dropped for this answer: its rounds ran at 0.71x plain decoding" in text
@@ -544,7 +545,7 @@ def test_the_stats_name_the_source_in_use_its_gain_and_why_each_other_is_off():
     )
     bound = Bound(1, 0.91, 0.26, 1.93, "while decoding")
     live.add(Round(8, 0, (piece("z", "target", 8),), 0, 0, 0.0, 0.1, 0.0, "none", bound=bound, sources=off))
-    text = render.stats_html(live.numbers(), "auto")
+    text = render.stats_html(live.numbers(), Algorithm.AUTO)
     assert "measured while decoding" in text and "ngram: the lookup finds no earlier text to copy here" in text
     assert "tli: trying it now could cost more than the answer&#x27;s probing budget has left" in text
     assert "slem: expected at 0.80x plain decoding; tried again now and then" in text
@@ -552,17 +553,17 @@ def test_the_stats_name_the_source_in_use_its_gain_and_why_each_other_is_off():
 
 def test_a_plain_answer_shows_no_speedup_of_plain_against_plain_but_an_earlier_speculative_answer():
     plain = [plain_round(i) for i in range(3)]
-    live = render.Live("none", baseline_tokens_per_s=10.0)
+    live = render.Live(Algorithm.NONE, baseline_tokens_per_s=10.0)
     for r in with_stats(plain):
         live.add(r)
-    text = render.stats_html(live.numbers(), "none")
+    text = render.stats_html(live.numbers(), Algorithm.NONE)
     assert "measured speedup" not in text and "speedup" not in text and "tokens/s" in text
-    live = render.Live("none", baseline_tokens_per_s=10.0, earlier_speculative=("auto", 20.0))
+    live = render.Live(Algorithm.NONE, baseline_tokens_per_s=10.0, earlier_speculative=("auto", 20.0))
     for r in with_stats(plain):
         live.add(r)
     n = live.numbers()
     assert n["measured_speedup"] is None and n["earlier_speculative"]["ratio"] == pytest.approx(n["tokens_per_s"] / 20)
-    text = render.stats_html(n, "none")
+    text = render.stats_html(n, Algorithm.NONE)
     assert "an earlier speculative answer (auto)" in text and "20.0 tokens/s" in text and "of it" in text
 
 
@@ -570,15 +571,15 @@ def test_when_nothing_can_pay_the_stats_say_so_from_the_first_round_with_the_bou
     from usd.events import Bound
 
     first = Round(0, 0, (piece("x", "target", 0),), 0, 0, 0.0, 0.1, 0.0, "none", bound=Bound(2, 0.97, 0.28, 2.45))
-    live = render.Live("auto")
+    live = render.Live(Algorithm.AUTO)
     live.add(first)
-    text = render.stats_html(live.numbers(), "auto")
+    text = render.stats_html(live.numbers(), Algorithm.AUTO)
     assert "plain decoding: the drafter model cannot pay on this machine" in text
     assert "0.97x" in text and "3 / (2·0.28 + 2.45)" in text and "c = 0.28" in text and "v(2) = 2.45" in text
 
 
 def test_an_answer_that_drafted_nothing_is_not_warned_about_speculation():
-    assert render.warning_text({"measured_speedup": 0.8, "acceptance_rate": None}, "auto") is None
+    assert render.warning_text({"measured_speedup": 0.8, "acceptance_rate": None}, Algorithm.AUTO) is None
 
 
 def auto_answer(speculative_rounds: int, c: float, v: float) -> dict:
@@ -599,16 +600,16 @@ def test_a_few_probing_rounds_are_not_blamed_for_a_slower_answer():
     """Seen in the Chat tab: auto probed in a handful of its 256 rounds and ran at 0.94x an earlier plain answer; its
     rounds cannot have cost 6%, so the panel shows the number and no warning that blames speculation."""
     assert render.speculation_cost_share(auto_answer(4, 0.2, 1.6)) < 1 - render.SLOWER
-    assert render.warning_text(auto_answer(4, 0.2, 1.6), "auto") is None
-    assert "slowing this pair down" in render.warning_text(auto_answer(120, 0.2, 1.6), "auto")
+    assert render.warning_text(auto_answer(4, 0.2, 1.6), Algorithm.AUTO) is None
+    assert "slowing this pair down" in render.warning_text(auto_answer(120, 0.2, 1.6), Algorithm.AUTO)
 
 
 def test_the_warning_names_the_cost_its_numbers_show():
     """A cheap drafter (c 0.03) with a costly verify is not "a drafter too slow for the target"."""
-    verify = render.warning_text(auto_answer(120, 0.03, 1.6), "auto")
+    verify = render.warning_text(auto_answer(120, 0.03, 1.6), Algorithm.AUTO)
     assert "checking the drafts costs the target" in verify and "1.60 target steps" in verify
     assert "drafter is too slow" not in verify
-    drafter = render.warning_text(auto_answer(120, 0.9, 1.2), "auto")
+    drafter = render.warning_text(auto_answer(120, 0.9, 1.2), Algorithm.AUTO)
     assert "drafter is too slow" in drafter and "0.90 of a target step" in drafter
 
 
@@ -622,7 +623,7 @@ def test_the_chart_legend_says_what_its_lines_are():
 def test_the_live_view_is_sent_its_new_chart_rows_and_every_row_at_the_end():
     from app.views import ChatViews
 
-    views, live = ChatViews([]), render.Live("tli")
+    views, live = ChatViews([]), render.Live(Algorithm.TLI)
     spec = with_stats([spec_round(i, ["a"], [], "b", "bonus") for i in range(3)])
     sent = []
     for r in spec:
@@ -632,7 +633,7 @@ def test_the_live_view_is_sent_its_new_chart_rows_and_every_row_at_the_end():
     live.add(Finished("ababab", (1, 1, 1, 1, 1, 1), live.stats))
     last = views.update(live)[1]
     assert last["chart"] == {"from": 0, "rows": live.chart} and last["tokens"]["from"] == 0
-    assert last["stats"] == render.stats_html(live.numbers(), "tli")
+    assert last["stats"] == render.stats_html(live.numbers(), Algorithm.TLI)
 
 
 def test_the_chat_streams_two_outputs_and_the_message_box_is_not_one_of_them():
@@ -669,7 +670,7 @@ def test_a_chat_that_is_not_due_puts_nothing_on_the_wire():
         data = await demo.postprocess_data(fn, list(update), state)
         return demo.handle_streaming_diffs(fn, data, "session", "run", final=False)
 
-    views, live = ChatViews([{"role": "user", "content": "hi"}]), render.Live("tli")
+    views, live = ChatViews([{"role": "user", "content": "hi"}]), render.Live(Algorithm.TLI)
     rounds = with_stats([spec_round(i, ["a"], [], "b", "bonus") for i in range(4)])
     sent = []
     for r in rounds[:-1]:

@@ -7,6 +7,7 @@ import json
 
 import pytest
 
+from usd.algorithms import Algorithm
 from usd.bench.run import ALGORITHMS, SUMMARY_KEYS, bench
 from usd.cli import main
 from usd.datasets import Prompt
@@ -133,7 +134,9 @@ def test_bench_standard_on_a_same_tokenizer_pair(catalog, real_paths):
     t = load_model(catalog.get("smollm2-135m-instruct"), device="cpu", precision="fp32", log=lambda m: None)
     pair = Pair(t.model, t.tokenizer, t.model, t.tokenizer, "smol", "smol", context_length=8192)
     prompts = [Prompt(f"p{i}", p.get("prompt"), p.get("messages")) for i, p in enumerate(PROMPTS)]
-    result = bench(pair, prompts, ["none", "standard", "hf"], 3, SamplingParams(), 8, log=lambda m: None)
+    result = bench(
+        pair, prompts, [Algorithm.NONE, Algorithm.STANDARD, "hf"], 3, SamplingParams(), 8, log=lambda m: None
+    )
     rows = {r["algorithm"]: r for r in result["summary"]}
     assert rows["standard"]["identical_to_none"] and rows["hf"]["identical_to_none"]
     assert rows["standard"]["acceptance_rate"] == 1.0, "the target drafting for itself is always right"

@@ -9,6 +9,7 @@ import pytest
 from openai.types.chat import ChatCompletionChunk
 
 from app import remote, render
+from usd.algorithms import Algorithm
 from usd.events import Finished
 from usd.settings import GenerationSettings
 
@@ -59,28 +60,28 @@ def test_a_plain_servers_answer_names_the_numbers_it_did_not_report():
     events = run(FakeClient([chunk("Hel"), chunk("lo"), chunk(None, "length")]))
     done = events[-1]
     assert isinstance(done, Finished) and done.text == "Hello" and done.stats.stop_reason == "max_tokens"
-    live = render.Live("auto")
+    live = render.Live(Algorithm.AUTO)
     for event in events:
         live.add(event)
     n = live.numbers()
     assert {"acceptance_rate", "k", "c", "v", "theoretical_speedup", "tokens"} <= set(n["unreported"])
     said = render.unreported_text(n)
     assert said.startswith("Not reported by this server: acceptance α, tokens per target forward τ, draft length k")
-    assert '<td data-stat="verify cost v">not reported</td>' in render.stats_html(n, "auto")
+    assert '<td data-stat="verify cost v">not reported</td>' in render.stats_html(n, Algorithm.AUTO)
 
 
 def test_what_vllm_reports_is_shown_and_only_the_rest_is_named():
     metrics = {"speculative_decoding": {"num_draft_tokens": 6, "num_accepted_draft_tokens": 3, "num_spec_steps": 2}}
     usage = {"prompt_tokens": 3, "completion_tokens": 5, "total_tokens": 8}
     events = run(FakeClient([chunk("Hello"), chunk(None, "stop", metrics=metrics, usage=usage)]))
-    n = render.Live("auto")
+    n = render.Live(Algorithm.AUTO)
     for event in events:
         n.add(event)
     numbers = n.numbers()
     assert numbers["acceptance_rate"] == 0.5 and numbers["tokens"] == 5
     assert "acceptance_rate" not in numbers["unreported"] and "tokens" not in numbers["unreported"]
     assert {"c", "v"} <= set(numbers["unreported"])
-    assert render.unreported_text(render.Live("auto").numbers()) is None  # nothing yet: nothing to say
+    assert render.unreported_text(render.Live(Algorithm.AUTO).numbers()) is None  # nothing yet: nothing to say
 
 
 def test_an_empty_stream_becomes_the_servers_refusal_asked_again_unstreamed():

@@ -22,6 +22,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 import usd
 from usd import suggest
+from usd.algorithms import Algorithm
 from usd.datasets import Prompt
 from usd.runners.transformers import Context
 from usd.suggest import Acceptance, Measured, Model
@@ -220,7 +221,9 @@ def test_a_bench_run_refines_the_stored_acceptance_once_per_generation(tiny_toke
     calls = []
     record = suggest.record_acceptance
     monkeypatch.setattr(suggest, "record_acceptance", lambda *a, **kw: (calls.append(a), record(*a, **kw)))
-    result = bench(pair, prompts, ["none", "tli", "slem"], k=3, max_new_tokens=12, log=lambda *_: None)
+    result = bench(
+        pair, prompts, [Algorithm.NONE, Algorithm.TLI, Algorithm.SLEM], k=3, max_new_tokens=12, log=lambda *_: None
+    )
     runs = [r for r in result["prompts"] if r["drafted"]]
     assert len(calls) == len(runs) == 2 * len(prompts)  # once per finished generation and algorithm
     stored = suggest.used_acceptance("t", "sp")

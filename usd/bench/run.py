@@ -35,7 +35,7 @@ from .report import REFERENCES, label, pair_plot_path, table
 
 ALGORITHMS = (*settings.ALGORITHMS, *REFERENCES)
 """The generation algorithms, and the references only the benchmark runs (report.REFERENCES)."""
-DEFAULT_ALGORITHMS = tuple(a.value for a in (PLAIN, Algorithm.TLI, Algorithm.SLEM, Algorithm.AUTO))
+DEFAULT_ALGORITHMS = (PLAIN, Algorithm.TLI, Algorithm.SLEM, Algorithm.AUTO)
 SWEEP_K = tuple(range(1, 9))
 """`--draft-tokens sweep`: every drafting algorithm at each of these draft lengths."""
 SUMMARY_KEYS = (
@@ -214,14 +214,14 @@ def _mean(xs):
     return sum(xs) / len(xs) if xs else None
 
 
-def variants(algorithms: list[str], k) -> list[tuple[str, int | str | None]]:
+def variants(algorithms: list[Algorithm | str], k) -> list[tuple[str, int | str | None]]:
     """(algorithm, draft length) pairs to run: plain decoding once, transformers once (it picks its own length), and
     every drafting algorithm at `k`, or at each k of SWEEP_K when k is "sweep"."""
     out: list[tuple[str, int | str | None]] = []
     for a in algorithms:
         if a in REFERENCES:
             out.append((a, None))
-        elif Algorithm(a).plain:
+        elif a.plain:
             out.append((a, 0))
         else:
             out += [(a, kk) for kk in SWEEP_K] if k == "sweep" else [(a, k)]
@@ -329,7 +329,7 @@ def _on_llamacpp(model) -> bool:
 def bench(
     pair: Pair,
     prompts: list[Prompt],
-    algorithms: list[str],
+    algorithms: list[Algorithm | str],
     k="auto",
     params: SamplingParams | None = None,
     max_new_tokens: int = 64,
@@ -338,12 +338,10 @@ def bench(
     """Run every (algorithm, k) of `variants` on every prompt, interleaved, after a warm-up. k may be "sweep"."""
     params = params or SamplingParams()
     if pair.drafter is None:
-        needing = [a for a in algorithms if a == "hf" or (a not in REFERENCES and Algorithm(a).needs_drafter)]
+        needing = [a for a in algorithms if a == "hf" or (a not in REFERENCES and a.needs_drafter)]
         if needing:
             raise ValueError(f"{', '.join(needing)} need a drafter model; leave them out or load one (--drafter)")
-    algorithms = [
-        a for a in algorithms if a in REFERENCES or not Algorithm(a).spec.one_tokenizer or pair.same_tokenizer
-    ]
+    algorithms = [a for a in algorithms if a in REFERENCES or not a.spec.one_tokenizer or pair.same_tokenizer]
     plan = variants(algorithms, k)
     if "hf" in algorithms:
         models = ((pair.target_name, pair.target), (pair.drafter_name or "the drafter", pair.drafter))
@@ -511,6 +509,7 @@ def run_cli(args, catalog=None) -> int:
     unknown = [a for a in algorithms if a not in ALGORITHMS]
     if unknown:
         raise ValueError(f"unknown algorithm(s) {', '.join(unknown)}; choose from {', '.join(ALGORITHMS)}")
+    algorithms = [a if a in REFERENCES else settings.check_algorithm(a) for a in algorithms]
     if "hf" in algorithms:
         on_llamacpp = gguf_models(pairs, catalog, args.device, args.precision)
         if on_llamacpp:
