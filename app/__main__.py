@@ -37,7 +37,7 @@ def create(
     """Load the pair and build the page (not launched), with the /v1 routes on the same pair (added at launch).
     A pair that fails to load leaves the UI up, saying why."""
     from usd.catalog import load_catalog
-    from usd.serve.slots import Slots
+    from usd.serve import Slots
 
     from .pairs import NO_DRAFTER, Pairs
     from .space import gpu, space_mode
@@ -79,7 +79,7 @@ def create_front_end(backend: str, api_key: str | None = None, log=print):
 
 def _api_key(given: str | None) -> str | None:
     """With --backend, the key sent to it; otherwise the key the app's /v1 routes require (default: the variable)."""
-    from usd.serve.main import API_KEY_ENV
+    from usd.serve import API_KEY_ENV
 
     return given if given is not None else os.environ.get(API_KEY_ENV)
 
@@ -91,8 +91,7 @@ def launch(page, host: str, port: int | None, share: bool = False, concurrency: 
     input: `max_file_size=0` refuses every file, and what Gradio caches is deleted hourly and at exit)."""
     from starlette.middleware import Middleware
 
-    from usd.serve.limits import BodyLimit
-    from usd.serve.routes import create_router
+    from usd.serve import BodyLimit, create_router
 
     from .page import PageScript
 
@@ -115,7 +114,7 @@ def launch(page, host: str, port: int | None, share: bool = False, concurrency: 
 
 def main(argv: list[str] | None = None) -> int:
     from usd import suffix
-    from usd.serve.main import API_KEY_ENV, add_memory_argument
+    from usd.serve import API_KEY_ENV, add_memory_argument
 
     os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")  # no calls home from a local app
 

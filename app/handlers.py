@@ -17,7 +17,7 @@ from usd.algorithms import PLAIN
 from usd.chat import check_prompt
 from usd.errors import InternalError
 from usd.loading import LoadError
-from usd.serve.slots import Slots
+from usd.serve import Slots
 from usd.settings import GenerationSettings
 
 from . import render

@@ -15,7 +15,7 @@ from dataclasses import dataclass, replace
 from usd.catalog import Catalog
 from usd.events import Finished, Piece, Round, Stats
 from usd.loading import LoadError
-from usd.serve.protocol import stats_from_speculative
+from usd.serve import stats_from_speculative
 from usd.settings import GenerationSettings
 
 from .pairs import Choice

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 import gradio as gr
 
-from usd.serve.slots import Slots
+from usd.serve import Slots
 from usd.settings import ALGORITHMS, DRAFT_TOKENS_MAX, MAX_NEW_TOKENS_MAX
 
 from .chat_tab import chat_tab, wire_chat

@@ -4,8 +4,7 @@ those the Space serves); another one is loaded as the target, with the loaded dr
 
 from __future__ import annotations
 
-from usd.serve.protocol import APIError
-from usd.serve.service import Service
+from usd.serve import APIError, Service
 
 from .pairs import Pairs
 

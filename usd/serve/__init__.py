@@ -1,10 +1,32 @@
 """An OpenAI-compatible server for the engine (`usd serve`, and the app's /v1): chat and text completions, plain or
 streamed, with the engine's speculative stats (and, on request, every round's pieces) as an extension that standard
 clients ignore. `protocol` is the wire format, `slots` the shared concurrency limit, `jobs` one request's generation,
-`routes` the FastAPI routes."""
+`routes` the FastAPI routes.
 
-from .routes import create_app, create_router
-from .service import FixedPair, Service
-from .slots import QueueFull, Slots
+The names below are the package's API (the app mounts the server's routes in its own and shares its slots); they are
+imported on first use, so that importing one submodule does not import the others through this package."""
 
-__all__ = ["FixedPair", "QueueFull", "Service", "Slots", "create_app", "create_router"]
+from __future__ import annotations
+
+import importlib
+
+_EXPORTS = {
+    "API_KEY_ENV": "main",
+    "APIError": "protocol",
+    "BodyLimit": "limits",
+    "FixedPair": "service",
+    "QueueFull": "slots",
+    "Service": "service",
+    "Slots": "slots",
+    "add_memory_argument": "main",
+    "create_app": "routes",
+    "create_router": "routes",
+    "stats_from_speculative": "protocol",
+}
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(f".{_EXPORTS[name]}", __name__), name)
+    raise AttributeError(f"module 'usd.serve' has no attribute {name!r}")
