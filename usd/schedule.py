@@ -34,7 +34,7 @@ import math
 from collections.abc import Collection
 
 from . import settings
-from .algorithms import NAMES, PLAIN, Algorithm, auto_modes
+from .algorithms import DRAFTING, NAMES, PLAIN, Algorithm, auto_modes
 from .drafters import CATCH_UP_MIN
 from .events import Bound, Source, SourceState
 from .record import RoundRecord
@@ -299,7 +299,7 @@ class CostModel:
 
     def drafter_c(self) -> float | None:
         """The drafter's step over the target's as the loop measured it (the cheapest of its modes), if it has."""
-        measured = [c for m in Algorithm if m.needs_drafter and (c := Mean.of(self.modes.get(m, {}).get("c")))]
+        measured = [c for m in DRAFTING if (c := Mean.of(self.modes.get(m, {}).get("c")))]
         return min(measured) if measured else None
 
     def _fresh(self) -> None:
