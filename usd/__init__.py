@@ -7,7 +7,7 @@ torch.
 
 from __future__ import annotations
 
-import importlib
+from .lazy import exports
 
 __version__ = "0.1.0"
 
@@ -26,8 +26,4 @@ _EXPORTS = {
 }
 __all__ = sorted(_EXPORTS)
 
-
-def __getattr__(name: str):
-    if name in _EXPORTS:
-        return getattr(importlib.import_module(f".{_EXPORTS[name]}", __name__), name)
-    raise AttributeError(f"module 'usd' has no attribute {name!r}")
+__getattr__ = exports(__name__, _EXPORTS)

@@ -8,7 +8,7 @@ imported on first use, so that importing one submodule does not import the other
 
 from __future__ import annotations
 
-import importlib
+from ..lazy import exports
 
 _EXPORTS = {
     "API_KEY_ENV": "main",
@@ -25,8 +25,4 @@ _EXPORTS = {
 }
 __all__ = sorted(_EXPORTS)
 
-
-def __getattr__(name: str):
-    if name in _EXPORTS:
-        return getattr(importlib.import_module(f".{_EXPORTS[name]}", __name__), name)
-    raise AttributeError(f"module 'usd.serve' has no attribute {name!r}")
+__getattr__ = exports(__name__, _EXPORTS)
