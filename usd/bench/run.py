@@ -219,7 +219,7 @@ def variants(algorithms: list[Algorithm | str], k) -> list[tuple[str, int | str 
     every drafting algorithm at `k`, or at each k of SWEEP_K when k is "sweep"."""
     out: list[tuple[str, int | str | None]] = []
     for a in algorithms:
-        if a in REFERENCES:
+        if not isinstance(a, Algorithm):  # a reference generates on its own and picks its own length
             out.append((a, None))
         elif a.plain:
             out.append((a, 0))
@@ -338,10 +338,12 @@ def bench(
     """Run every (algorithm, k) of `variants` on every prompt, interleaved, after a warm-up. k may be "sweep"."""
     params = params or SamplingParams()
     if pair.drafter is None:
-        needing = [a for a in algorithms if a == "hf" or (a not in REFERENCES and a.needs_drafter)]
+        needing = [a for a in algorithms if a == "hf" or (isinstance(a, Algorithm) and a.needs_drafter)]
         if needing:
             raise ValueError(f"{', '.join(needing)} need a drafter model; leave them out or load one (--drafter)")
-    algorithms = [a for a in algorithms if a in REFERENCES or not a.spec.one_tokenizer or pair.same_tokenizer]
+    algorithms = [
+        a for a in algorithms if not isinstance(a, Algorithm) or not a.spec.one_tokenizer or pair.same_tokenizer
+    ]
     plan = variants(algorithms, k)
     if "hf" in algorithms:
         models = ((pair.target_name, pair.target), (pair.drafter_name or "the drafter", pair.drafter))
