@@ -9,12 +9,13 @@ import inspect
 import random
 import threading
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 import gradio as gr
 
 from usd import api, suffix, suggest
 from usd.algorithms import PLAIN
-from usd.chat import check_prompt
+from usd.chat import check_prompt, user_turn
 from usd.errors import InternalError
 from usd.loading import LoadError
 from usd.serve import Slots
@@ -24,6 +25,9 @@ from . import render
 from .live import Channels
 from .pairs import Pairs
 from .views import STOPPED, ChatViews, Streamed, column, in_background, pace
+
+if TYPE_CHECKING:
+    from .endpoints import Ask
 
 DEFAULT = GenerationSettings()
 """The settings' defaults, for the widgets and the API endpoints' signatures."""
@@ -37,11 +41,6 @@ class InputError(ValueError):
 
 KNOBS = ("algorithm", "draft_tokens", "temperature", "top_p", "top_k", "seed", "max_new_tokens")
 """The settings the UI shows, in the order of its widgets (`settings_panel`) and of its handlers' parameters."""
-
-
-def knobs_of(values: dict) -> tuple:
-    """The settings among a handler's parameters (its `locals()`), in KNOBS' order."""
-    return tuple(values[name] for name in KNOBS)
 
 
 def settings(*knobs) -> GenerationSettings:
@@ -182,25 +181,23 @@ class Handlers:
             return suffix.LOCAL
         return f"session:{request.session_hash}" if request is not None and request.session_hash else None
 
-    def _events(self, pair, s: GenerationSettings, prompt, messages, chat_mode: bool, cancel, scope) -> Iterator:
+    def _events(self, pair, s: GenerationSettings, messages: list[dict], cancel, scope) -> Iterator:
         # a remote backend keeps its own memory, scoped by its key
         where = {} if self.remote else {"scope": scope}
-        events = self.stream(pair, prompt, messages=messages, chat_mode=chat_mode, settings=s, cancel=cancel, **where)
+        events = self.stream(pair, messages=messages, settings=s, cancel=cancel, **where)
         # what use of a local pair shows refines `usd suggest` (a remote server's pair is not this machine's)
         return events if self.remote else suggest.recording(pair, events, greedy=s.greedy)
 
     def run(
         self,
         s: GenerationSettings,
-        prompt=None,
+        messages: list[dict],
         *,
-        messages=None,
-        chat_mode=False,
         cancel=None,
         channel=False,
         scope: str | None = None,
     ) -> Iterator[render.Live]:
-        """Stream one generation on the loaded pair as a growing `Live`; engine input errors become InputError.
+        """Stream the loaded pair's answer to `messages` as a growing `Live`; engine input errors become InputError.
         `scope`: the suffix memory it drafts from and joins (`scope`; None: none)."""
         pair, key = self.pairs.current(), self.pairs.key()
         live = render.Live(
@@ -214,7 +211,7 @@ class Handlers:
             if not running:  # stopped while waiting for a slot
                 return
             events = in_background(
-                lambda: self._events(pair, s, prompt, messages, chat_mode, cancel, scope),
+                lambda: self._events(pair, s, messages, cancel, scope),
                 cancel,
                 pace(pair, channel).live,
             )
@@ -253,7 +250,7 @@ class Handlers:
         chat_s = pace(self.pairs.current(), channel).chat
         views = ChatViews([*history, {"role": "user", "content": prompt}], self.channels, chat_s)
         try:
-            for live in self.run(s, messages=messages, cancel=cancel, channel=channel, scope=self.scope(request)):
+            for live in self.run(s, messages, cancel=cancel, channel=channel, scope=self.scope(request)):
                 update = views.update(live)
                 if update is not None:
                     yield update
@@ -274,9 +271,10 @@ class Handlers:
         if not s.greedy and s.seed is None:
             s = s.replace(seed=random.randrange(1 << 31))  # both columns must share it
         plain = spec = None
-        for plain in self.run(s.replace(algorithm=PLAIN, draft_tokens="auto"), prompt, chat_mode=True, channel=channel):
+        asked = user_turn(prompt)
+        for plain in self.run(s.replace(algorithm=PLAIN, draft_tokens="auto"), asked, channel=channel):
             yield plain, None, None
-        for spec in self.run(s, prompt, chat_mode=True, channel=channel, scope=scope):
+        for spec in self.run(s, asked, channel=channel, scope=scope):
             yield plain, spec, None
         greedy = s.greedy
         divergence = self._divergence(prompt, plain, spec, greedy)
@@ -288,7 +286,7 @@ class Handlers:
         first = render.first_difference(plain.finished.target_ids, spec.finished.target_ids)
         if not greedy or first is None or self.remote:  # a remote backend sends no ids to ask the target about
             return None
-        return api.divergence(self.pairs.current(), plain.finished.target_ids, first, prompt, chat_mode=True)
+        return api.divergence(self.pairs.current(), plain.finished.target_ids, first, messages=user_turn(prompt))
 
     @shown_to_user
     def compare_ui(self, request: gr.Request, prompt, *knobs):
@@ -318,48 +316,24 @@ class Handlers:
     # --- API (named endpoints for gradio_client) -------------------------------------------------------------------
 
     @shown_to_user
-    def generate(
-        self,
-        prompt: str,
-        target: str = "",
-        drafter: str = "",
-        algorithm: str = DEFAULT.algorithm,
-        draft_tokens: str = DEFAULT.draft_tokens,
-        temperature: float = DEFAULT.temperature,
-        top_p: float = DEFAULT.top_p,
-        top_k: int = DEFAULT.top_k,
-        seed: int | None = DEFAULT.seed,
-        max_new_tokens: int = DEFAULT.max_new_tokens,
-    ) -> Iterator[tuple[str, list, dict]]:
+    def generate(self, ask: Ask) -> Iterator[tuple[str, list, dict]]:
         """Chat with the loaded pair (or the named one): streams (text, pieces, stats) as it goes, an update or two a
         second (the rounds in between merged). `pieces` is a list of {text, kind, round}; `stats` holds
         acceptance_rate, tokens_per_round, tokens_per_s, wall_s and more. Empty target/drafter: the loaded pair."""
-        prompt, s = self.checked(prompt, knobs_of(locals()), target, drafter)
-        for live in self.run(s, prompt, chat_mode=True, scope=self.scope(None)):
+        prompt, s = self.checked(ask.prompt, ask.knobs, ask.target, ask.drafter)
+        for live in self.run(s, user_turn(prompt), scope=self.scope(None)):
             stats = live.numbers()
             if live.finished is not None:  # the engine's own final stats, plus the live-only keys
                 stats.update(live.finished.stats.as_dict())
             yield render.answer_text(live), [p.as_dict() for p in live.pieces], stats
 
     @shown_to_user
-    def compare(
-        self,
-        prompt: str,
-        target: str = "",
-        drafter: str = "",
-        algorithm: str = DEFAULT.algorithm,
-        draft_tokens: str = DEFAULT.draft_tokens,
-        temperature: float = DEFAULT.temperature,
-        top_p: float = DEFAULT.top_p,
-        top_k: int = DEFAULT.top_k,
-        seed: int | None = DEFAULT.seed,
-        max_new_tokens: int = DEFAULT.max_new_tokens,
-    ) -> Iterator[tuple[str, str, dict]]:
+    def compare(self, ask: Ask) -> Iterator[tuple[str, str, dict]]:
         """Plain target decoding, then speculative decoding, same prompt and seed. Streams (plain_text,
         speculative_text, summary): the texts so far with an empty summary, and last the final texts with the summary
         (identical, plain_s, speculative_s, speedup). It streams so that a cancel stops it within a round (Gradio
         closes a cancelled generator; a plain function would run both halves to the end)."""
-        prompt, s = self.checked(prompt, knobs_of(locals()), target, drafter)
+        prompt, s = self.checked(ask.prompt, ask.knobs, ask.target, ask.drafter)
         for plain, spec, summary in self.compare_stream(prompt, s, scope=self.scope(None)):
             yield render.answer_text(plain), render.answer_text(spec) if spec else "", summary or {}
 

@@ -118,7 +118,6 @@ def stream(
     prompt: str | None = None,
     *,
     messages: list[dict] | None = None,
-    chat_mode: bool = False,
     settings: GenerationSettings,
     cancel=None,
 ):
@@ -126,8 +125,6 @@ def stream(
     import openai
 
     s = settings
-    if messages is None and chat_mode:
-        messages = [{"role": "user", "content": prompt}]
     extra: dict = {}
     if model.usd:
         extra["speculative"] = {"algorithm": s.algorithm, "draft_tokens": s.draft_tokens, "pieces": True}

@@ -17,6 +17,7 @@ from usd.settings import ALGORITHMS, DRAFT_TOKENS_MAX, MAX_NEW_TOKENS_MAX
 
 from .chat_tab import chat_tab, wire_chat
 from .compare_tab import compare_tab, wire_compare
+from .endpoints import endpoint
 from .handlers import DEFAULT, MODELS, Handlers
 from .live import Channels
 from .pair_tab import pair_tab
@@ -58,8 +59,8 @@ def build(pairs: Pairs, slots: Slots | None = None, stream=None) -> Page:
         wire_compare(compare, h, knobs)
         demo.load(pairs.describe, None, header, api_visibility="private", concurrency_limit=None)
 
-        gr.api(gpu(h.generate), api_name="generate", concurrency_id=MODELS)
-        gr.api(gpu(h.compare), api_name="compare", concurrency_id=MODELS)
+        gr.api(gpu(endpoint(h.generate)), api_name="generate", concurrency_id=MODELS)
+        gr.api(gpu(endpoint(h.compare)), api_name="compare", concurrency_id=MODELS)
     return Page(demo, channels)
 
 

@@ -225,6 +225,7 @@ def worker_engine(args) -> None:
 
     restart_with_huge_pages()
     import usd
+    from usd.chat import user_turn
 
     pair = usd.load_pair(args.target, args.drafter if args.worker_engine != "none" else False, log=lambda *_: None)
     times: list[tuple[float, int]] = []
@@ -232,7 +233,7 @@ def worker_engine(args) -> None:
 
     def run():
         for event in usd.stream(
-            pair, args.prompt, chat_mode=True, algorithm=args.worker_engine, max_new_tokens=args.tokens
+            pair, messages=user_turn(args.prompt), algorithm=args.worker_engine, max_new_tokens=args.tokens
         ):
             if isinstance(event, usd.Finished):
                 done.append(event)

@@ -28,6 +28,7 @@ def main() -> int:
 
     restart_with_huge_pages()
     import usd
+    from usd.chat import user_turn
     from usd.runners.llamacpp import cache
 
     pair = usd.load_pair(args.target, False, log=lambda line: print(line, file=sys.stderr))
@@ -46,7 +47,7 @@ def main() -> int:
     def generate(out: list) -> None:
         calls.clear()
         t0 = time.perf_counter()
-        for event in usd.stream(pair, PROMPT, chat_mode=True, algorithm="none", max_new_tokens=args.tokens):
+        for event in usd.stream(pair, messages=user_turn(PROMPT), algorithm="none", max_new_tokens=args.tokens):
             if isinstance(event, usd.Finished):
                 out.append((event.stats.tokens / (time.perf_counter() - t0), statistics.median(calls)))
 

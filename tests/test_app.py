@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 import usd
+from usd.chat import user_turn
 
 pytestmark = pytest.mark.real_models
 ROOT = Path(__file__).resolve().parent.parent
@@ -48,7 +49,7 @@ def client(app):
 
 
 def plain_greedy(pairs, prompt: str, n: int) -> str:
-    return usd.generate(pairs.current(), prompt, chat_mode=True, algorithm="none", max_new_tokens=n).text
+    return usd.generate(pairs.current(), messages=user_turn(prompt), algorithm="none", max_new_tokens=n).text
 
 
 def test_generate_streams_and_ends_with_the_targets_own_greedy_answer(app, client):

@@ -14,6 +14,7 @@ import torch
 from tiny_serving import free_port, served_pair
 
 import usd
+from usd.chat import user_turn
 from usd.serve.protocol import MAX_BODY_BYTES
 
 pytestmark = pytest.mark.slow  # serves the app on a port
@@ -76,7 +77,7 @@ def wait_idle(slots, timeout: float = 30) -> float:
 
 
 def greedy(app, n: int = 8) -> str:
-    return usd.generate(app.pair, PROMPT, chat_mode=True, algorithm="none", max_new_tokens=n).text
+    return usd.generate(app.pair, messages=user_turn(PROMPT), algorithm="none", max_new_tokens=n).text
 
 
 def test_cancelling_a_compare_stops_both_halves_within_a_round(fresh):

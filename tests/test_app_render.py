@@ -180,12 +180,12 @@ def _fake_engine(monkeypatch, speculative_ids):
 
     streamed, asked = [], []
 
-    def stream(pair, prompt, *, settings, cancel, **_):
+    def stream(pair, prompt=None, *, settings, cancel, **_):
         streamed.append(settings)
         yield _finished([1, 2, 3] if settings.algorithm == "none" else speculative_ids, 1.0, settings.algorithm)
 
-    def divergence(pair, ids, position, prompt, chat_mode):
-        asked.append((pair, tuple(ids), position, prompt, chat_mode))
+    def divergence(pair, ids, position, *, messages):
+        asked.append((pair, tuple(ids), position, messages))
         return Divergence(position, 0.01, 0.05, "bfloat16")
 
     monkeypatch.setattr(handlers.api, "stream", stream)
@@ -199,7 +199,7 @@ def test_compare_asks_the_target_about_a_greedy_difference(monkeypatch):
     streamed, asked = _fake_engine(monkeypatch, [1, 5, 3])
     *_, (_, _, summary) = Handlers(_StubPairs()).compare_stream("hi", settings("tli", "4", 0, 1, 0, None, 8))
     assert [(s.algorithm, s.draft_tokens) for s in streamed] == [("none", "auto"), ("tli", 4)]
-    assert asked == [("the pair", (1, 2, 3), 1, "hi", True)]
+    assert asked == [("the pair", (1, 2, 3), 1, [{"role": "user", "content": "hi"}])]
     assert summary["first_difference"] == 1 and summary["near_tie"] is True
 
 
@@ -250,7 +250,7 @@ def test_settings_errors_say_what_to_change(args, message):
 
 
 def test_settings_accept_what_the_widgets_send():
-    s = settings("slem", "4", 0.7, 0.9, 20.0, 3.0, 64.0).model_dump(exclude={"stop_strings"})
+    s = settings("slem", "4", 0.7, 0.9, 20.0, 3.0, 64.0).model_dump(exclude={"stop_strings", "drafter_rendering"})
     assert s == {
         "algorithm": "slem",
         "draft_tokens": 4,

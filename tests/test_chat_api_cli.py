@@ -24,6 +24,7 @@ import usd
 from usd import chat
 from usd.cli import main
 from usd.pair import Pair, PairMemory
+from usd.settings import GenerationSettings
 
 QWEN, SMOL, GEMMA = "qwen2.5-coder-0.5b-instruct", "smollm2-135m-instruct", "gemma-3-270m"
 HELLO = [{"role": "user", "content": "Hello"}]
@@ -215,8 +216,8 @@ def test_choose_rendering_explicit_and_invalid():
     memory = PairMemory(rendering={"own": [5, 1, 10], "stripped": [5, 9, 10]})
     assert chat.choose_rendering(memory, "own") == "own"
     assert chat.choose_rendering(memory, "stripped") == "stripped"
-    with pytest.raises(chat.PromptError, match="drafter rendering must be one of auto, own, stripped, got 'both'"):
-        chat.choose_rendering(memory, "both")
+    with pytest.raises(ValueError, match="drafter rendering must be one of auto, own, stripped, got 'both'"):
+        GenerationSettings(drafter_rendering="both")
 
 
 @pytest.fixture(scope="module")
@@ -316,7 +317,12 @@ BAD_INPUTS = [
     ),
     pytest.param({"prompt": " \n\t"}, chat.PromptError, "the prompt is empty", id="blank"),
     pytest.param({"prompt": None}, chat.PromptError, "the prompt is empty", id="none"),
-    pytest.param({"prompt": "", "chat_mode": True}, chat.PromptError, "the prompt is empty", id="empty-chat"),
+    pytest.param(
+        {"messages": [{"role": "user", "content": ""}]},
+        chat.PromptError,
+        "the last user message is empty",
+        id="empty-chat",
+    ),
     pytest.param(
         {"prompt": " ".join(["word"] * 40)},
         chat.PromptError,
@@ -381,7 +387,7 @@ BAD_INPUTS = [
     ),
     pytest.param(
         {"prompt": "Hi", "drafter_rendering": "both"},
-        chat.PromptError,
+        ValueError,
         "drafter rendering must be one of auto, own, stripped, got 'both'",
         id="unknown-rendering",
     ),

@@ -9,6 +9,7 @@ import pytest
 from openai.types.chat import ChatCompletionChunk
 
 from app import remote, render
+from usd import chat
 from usd.algorithms import Algorithm
 from usd.events import Finished
 from usd.settings import GenerationSettings
@@ -53,7 +54,7 @@ class FakeClient:
 
 def run(client) -> list:
     model = remote.RemoteModel(client, "m", None, usd=False)
-    return list(remote.stream(model, "hi", chat_mode=True, settings=GenerationSettings(max_new_tokens=4)))
+    return list(remote.stream(model, messages=chat.user_turn("hi"), settings=GenerationSettings(max_new_tokens=4)))
 
 
 def test_a_plain_servers_answer_names_the_numbers_it_did_not_report():

@@ -80,17 +80,16 @@ def stream(
     prompt: str | None = None,
     *,
     messages: list[dict] | None = None,
-    chat_mode: bool = False,
     settings: GenerationSettings | None = None,
     cancel: threading.Event | None = None,
-    drafter_rendering: str = "auto",
     scope: str | None = suffix.LOCAL,
     **options,
 ) -> Iterator[Round | Finished]:
-    """Yield a Round per target forward, then a Finished. A raw `prompt` is continued as text; with `chat_mode` it
-    is one user message; `messages` is a whole conversation ([{role, content}], the last one the user's).
+    """Yield a Round per target forward, then a Finished. A raw `prompt` is continued as text; `messages` is a
+    conversation ([{role, content}], the last one the user's; `chat.user_turn(prompt)` asks a chat model one prompt).
     How to generate: `settings`, and/or its fields as keywords (algorithm, draft_tokens, temperature, top_p, top_k,
-    seed, max_new_tokens, stop_strings), which override it; defaults and ranges are GenerationSettings'.
+    seed, max_new_tokens, stop_strings, drafter_rendering), which override it; defaults and ranges are
+    GenerationSettings'.
     Bad input raises ValueError (PromptError for the prompt) before any model work, with what to change.
     `scope`: whose earlier answers the suffix source may draft from, and where this answer is remembered (this
     process's `suffix.MEMORY`: a visitor's session in a Space, an API key on a keyed server; None: nowhere).
@@ -99,9 +98,7 @@ def stream(
     s = settings or GenerationSettings()
     if options:
         s = s.replace(**options)
-    if messages is None and chat_mode:
-        messages = [{"role": "user", "content": chat.check_prompt(prompt)}]
-    rendering = chat.choose_rendering(pair.memory, drafter_rendering)
+    rendering = chat.choose_rendering(pair.memory, s.drafter_rendering)
     check_size(pair, prompt, messages)
     t_ids, d_ids = chat.prompt_ids(pair, prompt, messages, rendering)
     check_context(pair, len(t_ids), s.max_new_tokens)
@@ -231,11 +228,8 @@ def divergence(
     prompt: str | None = None,
     *,
     messages: list[dict] | None = None,
-    chat_mode: bool = False,
 ) -> numerics.Divergence:
     """Where two greedy answers to one prompt first differ at `position`: was it a near-tie of the target's two best
     tokens (rounding can swap them) or a real difference? `answer_ids` is either answer; the prompt as for `stream`."""
-    if messages is None and chat_mode:
-        messages = [{"role": "user", "content": chat.check_prompt(prompt)}]
     t_ids, _ = chat.prompt_ids(pair, prompt, messages)
     return numerics.divergence(pair, t_ids, list(answer_ids), position)

@@ -13,7 +13,6 @@ from .settings import short_repr
 from .utf8 import not_text
 
 ROLES = ("system", "user", "assistant")
-RENDERINGS = ("auto", "own", "stripped")
 _TRIES = 2
 """Generations each drafter rendering gets before `auto` judges them."""
 
@@ -33,6 +32,11 @@ def _check_text(text: str, what: str) -> None:
     problem = not_text(text)
     if problem:
         raise PromptError(f"{what} is not valid text: it holds {problem}; send it as valid Unicode (UTF-8)")
+
+
+def user_turn(prompt) -> list[dict]:
+    """A conversation of one user message: the prompt as a chat model is asked it, through its chat template."""
+    return [{"role": "user", "content": check_prompt(prompt)}]
 
 
 def check_messages(messages) -> list[dict]:
@@ -81,9 +85,8 @@ def stripped_ids(target_tokenizer, target_ids: list[int], drafter_tokenizer) -> 
 
 
 def choose_rendering(memory: PairMemory, asked: str) -> str:
-    """`own` or `stripped` for this generation; `auto` tries each _TRIES times, then keeps the better acceptance."""
-    if asked not in RENDERINGS:
-        raise PromptError(f"drafter rendering must be one of {', '.join(RENDERINGS)}, got {asked!r}")
+    """`own` or `stripped` for this generation; `auto` tries each _TRIES times, then keeps the better acceptance.
+    `asked` is a checked setting (GenerationSettings.drafter_rendering)."""
     if asked != "auto":
         return asked
     seen = memory.rendering

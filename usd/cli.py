@@ -187,7 +187,7 @@ def _generation_input(args) -> dict:
         prompt = _from_file(args.prompt_file, lambda p: _read_text(p, "prompt"), chat.check_prompt)
     else:
         prompt = chat.check_prompt(args.prompt)
-    return {"prompt": prompt, "chat_mode": args.chat}
+    return {"messages": chat.user_turn(prompt)} if args.chat else {"prompt": prompt}
 
 
 def _settings(args) -> GenerationSettings:

@@ -36,6 +36,10 @@ GREEDY_BELOW = 1e-5
 or more gets a probability below exp(-100), far under float32's smallest normal number: the distribution is one-hot
 to within float32 rounding (only near-ties, which greedy settles by the argmax, keep a second token). Dividing by
 such a T gains nothing and, near T = 1e-38, overflows the logits to inf and the probabilities to NaN."""
+DrafterRendering = Literal["auto", "own", "stripped"]
+DRAFTER_RENDERINGS: tuple[str, ...] = get_args(DrafterRendering)
+"""How the drafter sees a conversation (usd/chat.py): its own chat template, the target's text stripped of special
+tokens, or auto, which measures both on the pair and keeps the one whose drafts are kept more often."""
 STOP_STRINGS_MAX = 16
 STOP_STRING_CHARS_MAX = 1000
 """Bounds on the stop strings of one generation: every answer position looks for each of them, so a client must not
@@ -121,6 +125,14 @@ def check_stop_strings(stops) -> tuple[str, ...]:
         if problem:
             raise ValueError(f"stop string {i} is not valid text: it holds {problem}")
     return tuple(stops)
+
+
+def check_drafter_rendering(rendering) -> str:
+    if rendering not in DRAFTER_RENDERINGS:
+        raise ValueError(
+            f"drafter rendering must be one of {', '.join(DRAFTER_RENDERINGS)}, got {short_repr(rendering)}"
+        )
+    return rendering
 
 
 def short_repr(x) -> str:
@@ -209,6 +221,8 @@ class GenerationSettings(BaseModel):
     """None = a fresh random seed each time."""
     max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS
     stop_strings: tuple[str, ...] = ()
+    drafter_rendering: DrafterRendering = "auto"
+    """How the drafter sees a conversation (DRAFTER_RENDERINGS)."""
 
     def __init__(self, **values):
         try:
@@ -273,6 +287,11 @@ class GenerationSettings(BaseModel):
     @classmethod
     def _stop_strings(cls, v):
         return check_stop_strings(v)
+
+    @field_validator("drafter_rendering", mode="before")
+    @classmethod
+    def _drafter_rendering(cls, v):
+        return check_drafter_rendering(v.strip() if isinstance(v, str) else v)
 
 
 def _first_problem(error: ValidationError) -> str:
