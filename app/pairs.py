@@ -8,8 +8,7 @@ import threading
 from dataclasses import dataclass
 
 from usd.catalog import Catalog, ModelEntry
-from usd.loading import GiB, LoadError, entry_for, load_tokenizer, plan_load
-from usd.runners.registry import backend_of
+from usd.loading import GiB, LoadError, LoadPlan, entry_for, load_tokenizer, plan_load
 from usd.store import local_path
 
 from .space import space_models
@@ -84,7 +83,7 @@ class Pairs:
                 continue
             plan = plan_load(e, self.device, self.precision)
             total += plan.estimate_bytes
-            ready = _readiness(e, plan.precision)
+            ready = _readiness(e, plan)
             lines.append(
                 f"- **{role}** `{e.name}`: {plan.precision} on {plan.device}, about "
                 f"{plan.estimate_bytes / GiB:.2f} GiB ({ready}). {plan.note}"
@@ -171,11 +170,11 @@ NO_DRAFTER_LINE = (
 )
 
 
-def _readiness(entry: ModelEntry, precision: str) -> str:
-    """Whether loading `entry` at `precision` has anything to fetch or convert first, in words."""
+def _readiness(entry: ModelEntry, plan: LoadPlan) -> str:
+    """Whether loading `entry` as `plan` says has anything to fetch or convert first, in words."""
     if local_path(entry) is None:
         return "will be fetched on load"
-    if backend_of(precision).converted and local_path(entry, converted=True) is None:
+    if plan.converted and local_path(entry, converted=True) is None:
         return "fetched; converted to float32 for transformers at its first load"
     return "ready"
 

@@ -30,9 +30,9 @@ class RemoteModel:
     drafter: str | None
     usd: bool
 
-    def cpu_threads(self) -> None:
-        """None: the server computes, not this machine's CPU."""
-        return None
+    def fills_cpu(self) -> bool:
+        """The server computes, not this machine's CPU."""
+        return False
 
 
 class RemotePairs:

@@ -14,7 +14,6 @@ from dataclasses import dataclass
 import gradio as gr
 
 from usd.errors import Failed
-from usd.runners import cpu_threads
 
 from . import render
 from .live import Channels
@@ -161,8 +160,7 @@ def pace(pair, channel: bool) -> Pace:
     where its target computes on this machine's CPU with a thread on every core, the other elsewhere (a GPU, cores to
     spare, a remote backend)."""
     calm, busy = (PACE, BUSY_CORES_PACE) if channel else (GRADIO_PACE, BUSY_CORES_GRADIO_PACE)
-    threads = pair.cpu_threads()
-    return busy if threads is not None and threads >= cpu_threads() else calm
+    return busy if pair.fills_cpu() else calm
 
 
 class Every:

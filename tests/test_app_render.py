@@ -155,8 +155,8 @@ def test_compare_summary():
 class _StubPair(str):
     """A pair with no model, known by its name."""
 
-    def cpu_threads(self) -> None:
-        return None
+    def fills_cpu(self) -> bool:
+        return False
 
 
 class _StubPairs:
@@ -747,9 +747,16 @@ def test_views_update_less_often_where_the_engine_has_a_thread_on_every_core(mon
     from types import SimpleNamespace
 
     from app import views
+    from usd import pair
 
-    monkeypatch.setattr(views, "cpu_threads", lambda: 4)
-    on = lambda threads: SimpleNamespace(cpu_threads=lambda: threads)  # noqa: E731  (a pair's target runner says)
+    monkeypatch.setattr(pair, "cpu_threads", lambda: 4)
+
+    def on(threads):
+        """A pair whose target's runner computes on `threads` of this CPU's (None: elsewhere)."""
+        p = pair.Pair.__new__(pair.Pair)
+        p.target_runner = SimpleNamespace(cpu_threads=lambda: threads)
+        return p
+
     for channel, calm, busy in (
         (True, views.PACE, views.BUSY_CORES_PACE),
         (False, views.GRADIO_PACE, views.BUSY_CORES_GRADIO_PACE),
@@ -776,4 +783,4 @@ def test_runners_say_which_threads_of_this_cpu_they_compute_on(monkeypatch):
     on_cpu, on_gpu = (TransformersRunner(SimpleNamespace(device=torch.device(d))) for d in ("cpu", "cuda"))
     assert isinstance(on_cpu, Runner) and on_cpu.cpu_threads() == 3
     assert on_gpu.cpu_threads() is None
-    assert RemoteModel(client=None, model="m", drafter=None, usd=True).cpu_threads() is None
+    assert not RemoteModel(client=None, model="m", drafter=None, usd=True).fills_cpu()

@@ -52,6 +52,11 @@ class LoadPlan:
     def fits(self) -> bool:
         return self.available_bytes is None or self.estimate_bytes <= self.available_bytes
 
+    @property
+    def converted(self) -> bool:
+        """Whether its runner reads float safetensors converted from the model's GGUF file (store.convert)."""
+        return backend_of(self.precision).converted
+
     def describe(self) -> str:
         avail = f", {self.available_bytes / GiB:.1f} GiB free" if self.available_bytes is not None else ""
         return f"{self.precision} on {self.device}, about {self.estimate_bytes / GiB:.2f} GiB{avail}. {self.note}"

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from .runners import Runner, runner_for
+from .runners import Runner, cpu_threads, runner_for
 from .vocab import TokenizerBytes, align, fingerprint, same_vocabulary, tokenizer_bytes
 
 
@@ -85,9 +85,11 @@ class Pair:
         if self.drafter_runner is None and self.drafter is not None:
             self.drafter_runner = runner_for(self.drafter)
 
-    def cpu_threads(self) -> int | None:
-        """The threads the target computes on, on this machine's CPU (None: elsewhere)."""
-        return self.target_runner.cpu_threads()
+    def fills_cpu(self) -> bool:
+        """Whether the target computes on this machine's CPU with a thread on every core this process may use: then
+        any other work here (a page update) displaces one of its threads."""
+        threads = self.target_runner.cpu_threads()
+        return threads is not None and threads >= cpu_threads()
 
     @property
     def same_tokenizer(self) -> bool:
