@@ -66,7 +66,7 @@ PROBE_SHARE = 0.02
 """The most of an answer's expected time (its max new tokens at plain decoding's speed, or the tokens so far where
 more) that auto lets speculation lose in it: a round that might lose (a source not yet judged, or judged to lose, or
 a lookup that has not yet gained in this answer) runs only while its worst case, added to what speculative rounds
-lost in this answer so far, stays within it."""
+lost in this answer so far (`Schedule.lost_s`: a mode's gains pay for its own misses), stays within it."""
 DEFAULT_ANSWER_TOKENS = 128
 """The answer length the probing budget assumes before the pair has given any answer (then: the typical length of
 its answers so far, never more than the max new tokens asked for)."""
@@ -84,6 +84,10 @@ near them: a mode that realised fewer tokens/s is dropped from the answer (only 
 predicted. A mode that pays 1.5x falls below plain over 8 rounds in about 3% of answers at alpha 0.6."""
 ALPHA_DECAY = 0.97
 """The same for acceptance, counted per tested position: about the last thirty count (fewer make k jump around)."""
+ALPHA_PRIOR = 0.5
+ALPHA_PRIOR_WEIGHT = 2.0
+"""The acceptance a mode is assumed to have before it is tested, and how many tested positions that assumption weighs
+(`CostModel.alpha`)."""
 MIN_CONFIDENCE = 0.25
 """With adaptive k, stop a draft when the drafter's own top probability falls below this."""
 
@@ -281,7 +285,15 @@ class CostModel:
         return self.modes.get(mode, {}).get("rounds", 0)
 
     def alpha(self, mode: Algorithm) -> float | None:
-        return Mean.of(self.modes.get(mode, {}).get("hits"))
+        """The mode's acceptance per tested position, recent positions weighted up (ALPHA_DECAY), starting from
+        ALPHA_PRIOR_WEIGHT positions of ALPHA_PRIOR that fade as the tested ones do: three candidates kept at k = 1 are
+        no promise that eight would be, while a mode tested over many positions reads as measured."""
+        hits = self.modes.get(mode, {}).get("hits")
+        if not hits or hits[1] <= 0:
+            return None
+        # the cell's weight is sum(ALPHA_DECAY^i) over the tested positions, so the prior's faded weight follows from it
+        faded = ALPHA_PRIOR_WEIGHT * max(0.0, 1.0 - hits[1] * (1.0 - ALPHA_DECAY))
+        return (hits[0] + ALPHA_PRIOR * faded) / (hits[1] + faded)
 
     def V(self, n: int) -> float | None:
         """The target's forward over n positions: its ratio to the plain step measured near it, times the plain step
@@ -443,9 +455,9 @@ class Schedule:
         """The answer's expected length: what sizes its probing budget (a max new tokens of thousands is no reason to
         probe more in an answer that, like the pair's earlier ones, ends after a few dozen)."""
         self.emitted = 0
-        self.lost_s = 0.0
-        """What auto's speculative rounds lost in this answer against plain decoding measured near them, their catching
-        up included; never below 0, so that a gain does not pay for later probes."""
+        self.net_s: dict[Algorithm, float] = {}
+        """Per speculating mode, what its rounds in this answer took beyond plain decoding measured near them, their
+        catching up included, net of what they gained, never below minus one budget (`lost_s`)."""
         self.pending = 0
         """Positions the drafter lacks before the coming round (`next`): what it would catch up on to draft."""
         self.recent: dict[str, list[float]] = {}
@@ -565,6 +577,15 @@ class Schedule:
         """What speculation may lose in this answer: PROBE_SHARE of its expected time at plain decoding's speed."""
         return PROBE_SHARE * max(self.answer_tokens, self.emitted) * self.per_token(PLAIN)
 
+    @property
+    def lost_s(self) -> float:
+        """What speculation lost in this answer: each mode's net loss, where it lost. A mode's gains pay for its own
+        misses: a lookup's long draft that misses once after rounds that gained leaves the answer no slower than plain
+        decoding, and the copying that made them gain goes on (a ledger that did not count gains ended every lookup for
+        the rest of such an answer). They do not pay for another mode's probes, and bank at most one budget, so that
+        a gain is no licence to probe away more than the budget."""
+        return sum(max(0.0, net) for net in self.net_s.values())
+
     def _excess(self, mode: Algorithm, k: int) -> float | None:
         """What a round of (mode, k) would take beyond plain decoding of the tokens it emits, the drafter's catching
         up included: as expected where the mode is judged, in its worst case (no draft kept) where it is not yet. A
@@ -636,7 +657,7 @@ class Schedule:
         self.model.memory["last_answer"] = self.emitted
         if not mode.plain and len(self.modes) > 1 and plain != float("inf"):
             excess = r.seconds + r.setup_s - r.emitted * plain
-            self.lost_s = max(0.0, self.lost_s + excess)
+            self.net_s[mode] = max(-self.budget_s(), self.net_s.get(mode, 0.0) + excess)
             Mean.add(self.recent.setdefault(mode, [0.0, 0.0]), excess)
             self._check_realised(mode, r.seconds, r.emitted, plain)
         if r.setup_s:
