@@ -613,3 +613,26 @@ def test_a_few_candidates_kept_at_k_1_are_no_promise_that_a_long_draft_would_be(
     for _ in range(60):  # tested over many positions, it reads as measured
         model.observe(RoundRecord("slem", 1, 1, 1, draft_steps=1, draft_s=0.3, verify_s=world.verify(2)))
     assert model.alpha(Algorithm.SLEM) > 0.99
+
+
+def test_a_lookup_s_own_gains_pay_for_its_miss_after_the_other_lookup_spent_the_budget():
+    """suffix's probes lost the whole budget; ngram copied, gained, then missed once, so its latest rounds read as
+    losing and it is priced at its worst case again. Its own gain, not the spent budget, is what it may lose now (on a
+    rule that let only the budget's rest pay, it was shut out for the rest of an answer that copies: the edits set's
+    HumanEval/4 on a 2-core EPYC, 120 tokens decoded plainly after one miss); suffix stays off."""
+    world = World(**{**STEEP_ROWS, "alpha": {"ngram": 0.95, "suffix": 0.95}}, rng=random.Random(4))
+    pair = costed_pair(0.28, {1: 1.53, 2: 1.81, 4: 2.39})
+    pair.drafter = None
+    for _ in range(3):  # answers that copied: both lookups are judged to pay
+        s = Schedule(pair, AUTO, "auto", lookup=True, answer_tokens=128)
+        while s.emitted < 128:
+            world.round(s)
+    s = Schedule(pair, AUTO, "auto", lookup=True, answer_tokens=128)
+    world.run(s, 3)
+    ngram, suffix, budget = Algorithm.NGRAM, Algorithm.SUFFIX, s.budget_s()
+    s.net_s = {suffix: budget, ngram: -0.8 * budget}
+    s.recent[ngram] = [0.5, 1.0]  # its latest rounds, the miss weighing most, took longer than plain decoding
+    k = s._fit(ngram)
+    assert k > 0, "the lookup that gained was shut out by the other's losses"
+    assert s._excess(ngram, k) <= 0.8 * budget, "it may lose no more than it gained"
+    assert s._fit(suffix) == 0, "ngram's gain paid for suffix's probes"

@@ -586,6 +586,13 @@ class Schedule:
         a gain is no licence to probe away more than the budget."""
         return sum(max(0.0, net) for net in self.net_s.values())
 
+    def _room(self, mode: Algorithm) -> float:
+        """What a round of `mode` that may lose can still lose in this answer: the budget less what speculation lost
+        so far, plus what the mode's own rounds gained here (its gains pay for its own misses, not another's: a lookup
+        that copied, missed once and is priced at its worst case again is not shut out by the other lookup's probes).
+        Whatever it spends, the answer's losses stay within one budget."""
+        return self.budget_s() - self.lost_s + max(0.0, -self.net_s.get(mode, 0.0))
+
     def _excess(self, mode: Algorithm, k: int) -> float | None:
         """What a round of (mode, k) would take beyond plain decoding of the tokens it emits, the drafter's catching
         up included: as expected where the mode is judged, in its worst case (no draft kept) where it is not yet. A
@@ -612,7 +619,7 @@ class Schedule:
         latest rounds in this answer gained."""
         if mode.plain or mode in self.dropped:
             return 0
-        room = self.budget_s() - self.lost_s
+        room = self._room(mode)
         if room <= 0:  # spent: only a mode whose latest rounds gained goes on (the model may lag a change)
             return self.k_for(mode) if self._gained_here(mode) else 0
         for k in range(self.k_for(mode), 0, -1):
