@@ -77,6 +77,13 @@ class World:
     def run(self, schedule: Schedule, rounds: int) -> list[tuple[str, int]]:
         return [self.round(schedule) for _ in range(rounds)]
 
+    def answer(self, pair, tokens: int) -> Schedule:
+        """One answer of `tokens` tokens by auto, lookups weighed: its schedule, after its last round."""
+        schedule = Schedule(pair, AUTO, "auto", lookup=True, answer_tokens=tokens)
+        while schedule.emitted < tokens:
+            self.round(schedule)
+        return schedule
+
 
 def best_by_formula(world: World, mode: str) -> tuple[int, float]:
     rates = {k: tau(world.alpha[mode], k) / (k * world.draft[mode] + world.verify(k + 1)) for k in range(1, K_MAX + 1)}
@@ -558,9 +565,7 @@ def test_a_lookup_that_paid_in_earlier_answers_costs_at_most_the_budget_in_one_w
     world = World(**ROWS_ON_THIS_CPU, rng=random.Random(3))
     pair, tokens = costed_pair(0.28, {1: 1.2, 2: 1.5, 4: 2.1}), 48
     for _ in range(4):
-        s = Schedule(pair, AUTO, "auto", lookup=True, answer_tokens=tokens)
-        while s.emitted < tokens:
-            world.round(s)
+        s = world.answer(pair, tokens)
     assert s.model.alpha("ngram") > 0.8 and s.model.rounds("suffix") >= MIN_TRIES, "the lookups were judged to pay"
     world.alpha = {**world.alpha, "ngram": 0.0, "suffix": 0.0}
     before, s = world.spent, Schedule(pair, AUTO, "auto", lookup=True, answer_tokens=tokens)
@@ -584,9 +589,7 @@ def test_a_long_draft_that_misses_after_a_gain_does_not_end_the_lookup_in_an_ans
     pair, tokens = costed_pair(0.28, {1: 1.53, 2: 1.81, 4: 2.39}), 128
     pair.drafter = None
     for _ in range(3):  # answers that copied: the lookup is judged to pay
-        s = Schedule(pair, AUTO, "auto", lookup=True, answer_tokens=tokens)
-        while s.emitted < tokens:
-            world.round(s)
+        world.answer(pair, tokens)
     world.rng, excess = random.Random(3), []
     before, s = world.spent, Schedule(pair, AUTO, "auto", lookup=True, answer_tokens=tokens)
     while s.emitted < tokens:
@@ -624,9 +627,7 @@ def test_a_lookup_s_own_gains_pay_for_its_miss_after_the_other_lookup_spent_the_
     pair = costed_pair(0.28, {1: 1.53, 2: 1.81, 4: 2.39})
     pair.drafter = None
     for _ in range(3):  # answers that copied: both lookups are judged to pay
-        s = Schedule(pair, AUTO, "auto", lookup=True, answer_tokens=128)
-        while s.emitted < 128:
-            world.round(s)
+        world.answer(pair, 128)
     s = Schedule(pair, AUTO, "auto", lookup=True, answer_tokens=128)
     world.run(s, 3)
     ngram, suffix, budget = Algorithm.NGRAM, Algorithm.SUFFIX, s.budget_s()

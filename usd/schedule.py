@@ -579,18 +579,16 @@ class Schedule:
 
     @property
     def lost_s(self) -> float:
-        """What speculation lost in this answer: each mode's net loss, where it lost. A mode's gains pay for its own
-        misses: a lookup's long draft that misses once after rounds that gained leaves the answer no slower than plain
-        decoding, and the copying that made them gain goes on (a ledger that did not count gains ended every lookup for
-        the rest of such an answer). They do not pay for another mode's probes, and bank at most one budget, so that
-        a gain is no licence to probe away more than the budget."""
+        """What speculation lost in this answer: the net losses of the modes that lost (one mode's gains do not pay
+        for another's probes, `_room`)."""
         return sum(max(0.0, net) for net in self.net_s.values())
 
     def _room(self, mode: Algorithm) -> float:
         """What a round of `mode` that may lose can still lose in this answer: the budget less what speculation lost
-        so far, plus what the mode's own rounds gained here (its gains pay for its own misses, not another's: a lookup
-        that copied, missed once and is priced at its worst case again is not shut out by the other lookup's probes).
-        Whatever it spends, the answer's losses stay within one budget."""
+        so far, plus what the mode's own rounds gained here. Its gains pay for its own misses, not another's: a lookup
+        that copied, then missed once and is priced at its worst case again goes on (a ledger floored at 0, which
+        counted no gain, ended it for the rest of an answer that copies), and is not shut out by the other lookup's
+        probes. Whatever it spends, the answer's losses stay within one budget."""
         return self.budget_s() - self.lost_s + max(0.0, -self.net_s.get(mode, 0.0))
 
     def _excess(self, mode: Algorithm, k: int) -> float | None:
@@ -614,9 +612,8 @@ class Schedule:
 
     def _fit(self, mode: Algorithm) -> int:
         """auto's draft length for `mode` this round: its k, or the longest shorter one whose round the probing
-        budget allows (0: none). A round expected to gain may run, and one that may lose only while its excess, with
-        what speculation lost in this answer so far, stays within the budget; once that is spent, only a mode whose
-        latest rounds in this answer gained."""
+        budget allows (0: none). A round expected to gain may run, and one that may lose only while its excess fits
+        the mode's `_room`; once that is spent, only a mode whose latest rounds in this answer gained."""
         if mode.plain or mode in self.dropped:
             return 0
         room = self._room(mode)
