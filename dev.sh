@@ -25,16 +25,17 @@ llama_patch=patches/llama-cpp-python-exact-rows.patch
 # llama.cpp for precision gguf, built from llama-cpp-python's source with usd-chat's exact-rows patch (a verify of up to
 # 16 tokens in one call, each row with a single step's bits: usd/runners/llamacpp/kernels.py). The wheel is kept per
 # patch and CPU (the build is for this CPU's instructions) and reused. Without the multimodal library (mtmd), which
-# usd-chat does not use, and without llama.cpp's AMX kernels, which -march=native turns on where the CPU reports AMX:
-# built by GCC 12 their tile config loses its stores and the first tile load dies with a general protection fault, and
-# where that is mended they measured slower than the exact-rows kernels on two cores (usd/runners/llamacpp/binding.py).
+# usd-chat does not use. Where the CPU reports AMX, -march=native builds llama.cpp's AMX kernels, and the patch mends
+# their tile config (GCC 12 dropped its stores, and the first tile load died with a general protection fault) and
+# leaves them to the copy of a model that reads prompts (usd/runners/llamacpp/twin.py).
 # Without OpenMP: llama.cpp's own threads run a step as fast from the app's worker threads as from the thread that
 # loaded the model, and OpenMP's do not (binding.py, OPENMP_HINT).
 install_llama_cpp() {
-    local no_amx="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16" key wheels src ours cmake_args
-    ours="-DLLAVA_BUILD=OFF -DGGML_OPENMP=OFF -DCMAKE_C_FLAGS='$no_amx' -DCMAKE_CXX_FLAGS='$no_amx'"
+    local key wheels src ours cmake_args
+    ours="-DLLAVA_BUILD=OFF -DGGML_OPENMP=OFF"
     cmake_args="${CMAKE_ARGS:-$ours}"
-    if "$py" -c "import ctypes, llama_cpp; ctypes.CDLL('libggml-cpu.so.0').ggml_cpu_set_exact_rows
+    if "$py" -c "import ctypes, llama_cpp; cpu = ctypes.CDLL('libggml-cpu.so.0')
+cpu.ggml_cpu_set_exact_rows, cpu.ggml_cpu_set_amx_weights
 assert b'OPENMP = 1' not in llama_cpp.llama_print_system_info()" >/dev/null 2>&1 \
         && [ ! "$llama_patch" -nt "$stamp" ]; then
         return

@@ -3,7 +3,8 @@ llama.cpp's default matmul kernels in both (repacked weights, the tiled matmul) 
 settings our runner needs (flash attention, f16 K and bf16 V cache): the tokens must be the same, since our runner reads
 a prompt in one batch and then a token at a time, as llama.cpp's generate does (usd/runners/llamacpp/kernels.py). This
 checks the runner's loop, cache and kernel layout against llama.cpp's own. `--plain-weights` checks the other weight
-layout (both sides without repacking).
+layout (both sides without repacking). Our prompts are read on the same kernels as llama.cpp's here, not by a twin on
+AMX tiles (USD_AMX_PREFILL=0; tests/test_llamacpp.py compares a twin's prompts with llama.cpp's own AMX kernels).
 
 llama.cpp's default attention (no flash attention, an f16 cache) computes a prompt's attention with a batched kernel
 and one token's with another; a batch-invariant runner cannot reproduce both, so `usd bench`'s `llamacpp` row (the
@@ -15,7 +16,10 @@ defaults, as a user opens the file) may differ from our tokens at near-ties.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+
+os.environ["USD_AMX_PREFILL"] = "0"  # before the library loads: our prompts on llama.cpp's default kernels too
 
 import llama_cpp
 import llama_cpp.llama_cpp as low_level

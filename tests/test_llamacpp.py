@@ -425,21 +425,33 @@ def test_a_prompt_gets_the_same_logits_whatever_the_cache_held(gguf):
 
 @pytest.mark.real_models
 @needs_llama
-def test_a_prompt_and_the_steps_after_it_are_what_llama_cpps_own_generate_computes(catalog, real_paths):
+def test_a_prompt_and_the_steps_after_it_are_what_llama_cpps_own_generate_computes(catalog, real_paths, monkeypatch):
     """llama-cpp-python's `Llama` (its default kernels, repacked weights and the tiled matmul; given the attention
     settings our runner needs) reads a prompt in one batch and its answer a token at a time. Our runner's logits for
     the default target are the same bits, whatever the prompt's length modulo a gemm group; the old layout (the
-    prompt's last token on the row kernels) was not."""
+    prompt's last token on the row kernels) was not. Where a twin reads the prompts (twin.py), they are the bits of
+    `Llama` with its weights in the AMX buffer, and without the twin those of its default kernels."""
     from llama_cpp import llama_get_logits_ith
 
+    from usd.runners.llamacpp import binding
+
     model, tok = _load(catalog, catalog.default.target, "gguf")
-    llm = llamacpp.llama_with_our_attention(model)
+    ids = tok.encode(LONG)
 
     def theirs(tokens):
         llm.eval(tokens)
         return torch.from_numpy(np.ctypeslib.as_array(llama_get_logits_ith(llm.ctx, -1), shape=(model.n_vocab,)))
 
-    ids = tok.encode(LONG)
+    if model.twin is not None:
+        with binding.amx_weights():
+            llm = llamacpp.llama_with_our_attention(model)
+        for n in (40, 41, 42, 43):  # prefill runs (a prompt under PREFILL_MIN_ROWS is on the row kernels)
+            model.forget()
+            llm.reset()
+            assert torch.equal(model.new_context(ids[:n]).forward(keep=1)[-1], theirs(ids[:n])), f"{n} on AMX"
+        for cache in model.pool.caches:
+            monkeypatch.setattr(cache, "twin", None)
+    llm = llamacpp.llama_with_our_attention(model)
     for n in (40, 41, 42, 43, 9):
         model.forget()
         llm.reset()
@@ -536,7 +548,7 @@ def test_a_call_that_would_not_fit_is_refused_before_it_reaches_llama_cpp():
 
     cache = object.__new__(LlamaCache)  # no model needed: the check comes before anything is written
     with pytest.raises(InternalError, match="llama_decode call of 513 tokens"):
-        cache._decode([1] * (llamacpp.N_BATCH + 1), 0, 1)
+        cache.decode([1] * (llamacpp.N_BATCH + 1), 0, 1)
 
 
 @pytest.mark.real_models
@@ -722,18 +734,103 @@ def test_a_multi_turn_greedy_chat_is_the_same_under_every_algorithm(gguf):
         assert conversation(algorithm) == plain, f"{algorithm}: a turn differs from plain decoding's"
 
 
-def test_a_build_with_amx_kernels_is_refused_with_how_to_rebuild():
-    """llama.cpp's AMX kernels built by GCC 12 die on their first tile load (a general protection fault kills the
-    process, no error to catch) and the runner's exactness rule does not cover them: a build that has them is
-    refused by name with the command that rebuilds it without, which is how ./dev.sh builds it."""
+def test_a_build_with_amx_kernels_but_without_the_patch_is_refused_with_how_to_rebuild(monkeypatch):
+    """llama.cpp's AMX kernels built by GCC 12 without the patch die on their first tile load (a general protection
+    fault kills the process, no error to catch), and their buffer would take every model's weights off the kernels
+    the exactness rule covers: such a build is refused by name with the command that rebuilds it without them. The
+    patched build (./dev.sh builds AMX kernels where the CPU has them) is taken, its switch found."""
     from pathlib import Path
 
     from usd.runners.llamacpp import binding
 
     plain = b"CPU : SSE3 = 1 | AVX2 = 1 | AVX512 = 1 | AVX512_VNNI = 1 | LLAMAFILE = 1 | REPACK = 1 | "
-    binding._refuse_amx(plain)
-    with pytest.raises(llamacpp.LlamaCppUnavailable, match="AMX kernels") as refused:
-        binding._refuse_amx(plain.replace(b"LLAMAFILE", b"AMX_INT8 = 1 | LLAMAFILE"))
-    assert binding.NO_AMX in str(refused.value) and "--force-reinstall" in str(refused.value)
+    with_amx = plain.replace(b"LLAMAFILE", b"AMX_INT8 = 1 | LLAMAFILE")
+    assert binding._amx_switch(plain) is None
+    binding.library()  # the patched library, loaded: its switch is found by name
+    assert binding._amx_switch(with_amx) is not None
+
+    def no_symbol(name):
+        raise AttributeError(f"{name}: undefined symbol: ggml_cpu_set_amx_weights")
+
+    monkeypatch.setattr(binding.ctypes, "CDLL", no_symbol)
+    with pytest.raises(llamacpp.LlamaCppUnavailable, match="AMX kernels but without usd-chat's patch") as refused:
+        binding._amx_switch(with_amx)
+    assert binding.NO_AMX in str(refused.value) and "./dev.sh setup" in str(refused.value)
     dev_sh = (Path(__file__).resolve().parent.parent / "dev.sh").read_text()
-    assert f'no_amx="{binding.NO_AMX}"' in dev_sh and "CMAKE_CXX_FLAGS='$no_amx'" in dev_sh
+    assert "-mno-amx" not in dev_sh and "ggml_cpu_set_amx_weights" in dev_sh
+
+
+def test_prompts_go_to_amx_tiles_only_where_the_switch_turns_them_on(monkeypatch):
+    """A twin per model only where the patch's switch turns the AMX buffer on (the operating system may refuse the
+    tiles), and not with USD_AMX_PREFILL=0, which side-by-side measurements use; each says why."""
+    from usd.runners.llamacpp import binding
+
+    monkeypatch.delenv(binding.AMX_PREFILL_ENV, raising=False)
+    set_to: list[int] = []
+    on = binding._amx_prefill(lambda value: set_to.append(value) or value)
+    assert on["amx_switch"] is not None and on["amx_why"] == "" and set_to == [1, 0]
+    assert binding._amx_prefill(lambda value: 0) == {
+        "amx_switch": None,
+        "amx_why": "the operating system refused this process the AMX tiles",
+    }
+    assert binding._amx_prefill(None)["amx_switch"] is None
+    monkeypatch.setenv(binding.AMX_PREFILL_ENV, "0")
+    assert binding._amx_prefill(lambda value: value) == {"amx_switch": None, "amx_why": "USD_AMX_PREFILL=0"}
+
+
+needs_amx_twin = pytest.mark.skipif(
+    not (llamacpp.available() and llamacpp.amx_prefill()),
+    reason="no AMX tiles here (this CPU, this build or USD_AMX_PREFILL=0): models read prompts on the row kernels",
+)
+
+
+@pytest.mark.real_models
+@needs_llama
+@needs_amx_twin
+def test_a_model_reads_its_prompts_on_its_twin_and_its_steps_and_verifies_on_its_own_weights(gguf, monkeypatch):
+    """Where the CPU has AMX every model loads a twin (twin.py): the calls on the prefill kernels run there, plain
+    steps and verifies never do, and the twin's rows have the same bits in one call as one at a time (a refeed that
+    cuts a prefill run anew gets them again)."""
+    model, tok = gguf[QWEN]
+    twin = model.twin
+    assert twin is not None and twin.row_gap(model.n_vocab) == 0.0
+    calls: list[int] = []
+    decode = twin.decode
+
+    def counted(cache, tokens, *rest):
+        calls.append(len(tokens))
+        return decode(cache, tokens, *rest)
+
+    monkeypatch.setattr(twin, "decode", counted)
+    model.forget()
+    ctx = model.new_context(tok.encode(LONG)[:120])
+    ctx.forward(keep=1)
+    ctx.ids.append(5)
+    ctx.forward(keep=1)  # a plain step
+    ctx.ids.extend([5, 6, 7])
+    ctx.forward(keep=3)  # a verify
+    assert calls == [120]
+
+
+@pytest.mark.real_models
+@needs_llama
+@needs_amx_twin
+def test_a_twin_whose_rows_differ_at_load_is_dropped_and_the_load_line_says_why(catalog, gguf, monkeypatch):
+    """The first twin a process loads checks its rows; rows that differ between batches (a CPU where the AMX kernels'
+    premises fail) end the twins for the process: the model reads its prompts on its own weights, and the load line
+    says why."""
+    from usd.runners.llamacpp import binding
+    from usd.runners.llamacpp import model as model_module
+    from usd.runners.llamacpp.twin import Twin
+
+    monkeypatch.setattr(model_module, "_twin_checked", False)
+    monkeypatch.setattr(Twin, "row_gap", lambda self, n_vocab: 0.5)
+    kept = {key: binding._state[key] for key in ("amx_switch", "amx_why")}
+    lines: list[str] = []
+    try:
+        loaded = load_model(catalog.get(SMOL), device="cpu", precision="gguf", log=lines.append).model
+        assert loaded.twin is None and not llamacpp.amx_prefill()
+        assert any("AMX tiles' rows differed by 0.5 logits between batches" in line for line in lines), lines
+    finally:
+        binding._state.update(kept)  # twins on again, for the tests after this one
+    assert llamacpp.amx_prefill()

@@ -197,3 +197,14 @@ def test_torch_computes_on_one_thread_while_no_model_of_the_process_runs_on_torc
         assert torch.get_num_threads() == 1
     finally:
         torch.set_num_threads(before)
+
+
+def test_a_gguf_whose_prompts_a_twin_reads_counts_its_weights_and_cache_twice(catalog, monkeypatch):
+    """Where each model on llama.cpp loads a twin for its prompts (usd/runners/llamacpp/twin.py, on a CPU with AMX),
+    the twin holds the weights and a KV cache again: the memory estimate counts both twice."""
+    entry = catalog.get("qwen2.5-coder-1.5b-instruct")
+    monkeypatch.setattr(loading, "_reads_prompts_on_amx", lambda: False)
+    one = loading.estimate_bytes(entry, "gguf", "cpu") - loading._RUNTIME_OVERHEAD["cpu"]
+    monkeypatch.setattr(loading, "_reads_prompts_on_amx", lambda: True)
+    two = loading.estimate_bytes(entry, "gguf", "cpu") - loading._RUNTIME_OVERHEAD["cpu"]
+    assert one > 1e9 and two == 2 * one

@@ -219,12 +219,23 @@ def estimate_bytes(entry: ModelEntry, precision: Precision, device: str, config=
 
 
 def gguf_bytes(entry: ModelEntry, precision: Precision, device: str, config=None) -> int:
-    """The GGUF as it is, mapped, plus llama.cpp's f16 cache and its buffers."""
+    """The GGUF as it is, mapped, plus llama.cpp's f16 cache and its buffers; both twice where a twin reads the
+    prompts on AMX tiles (usd/runners/llamacpp/twin.py)."""
     weights = getattr(entry.source, "size", None) or 0.6e9 * (entry.params_b or 0)
-    from .runners.llamacpp import N_CTX_CAP
+    from .runners import llamacpp
 
-    kv = _kv_bytes(config, min(N_CTX_CAP, entry.context_length), 2) if config is not None else 0
-    return int(weights + kv + _RUNTIME_OVERHEAD["cpu"]) if weights else 0
+    kv = _kv_bytes(config, min(llamacpp.N_CTX_CAP, entry.context_length), 2) if config is not None else 0
+    copies = 2 if _reads_prompts_on_amx() else 1
+    return int(copies * (weights + kv) + _RUNTIME_OVERHEAD["cpu"]) if weights else 0
+
+
+def _reads_prompts_on_amx() -> bool:
+    from .runners import llamacpp
+
+    try:
+        return llamacpp.available() and llamacpp.amx_prefill()
+    except llamacpp.LlamaCppUnavailable:  # said at load
+        return False
 
 
 def torch_bytes(entry: ModelEntry, precision: Precision, device: str, config=None) -> int:
@@ -485,7 +496,7 @@ def load_gguf(entry: ModelEntry, path: Path, plan: LoadPlan, tokenizer, log) -> 
             model = LlamaCppModel(
                 gguf, n_ctx=entry.context_length, generation_config=generation_config, name=entry.name
             )
-        log(f"{entry.name} on llama.cpp: {model.batching.rule}{model.rule_why}")
+        log(f"{entry.name} on llama.cpp: {model.rule}")
     except (StoreError, LlamaCppUnavailable, RuntimeError) as e:
         raise LoadError(f"{entry.name}: {e}") from None
     return LoadedModel(entry.name, model, tokenizer, plan, path, entry, runner=model)

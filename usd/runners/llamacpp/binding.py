@@ -3,19 +3,21 @@ error messages, and how to install it when it is missing."""
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import importlib.util
 import os
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from importlib.metadata import version
 
 from ...errors import InternalError
 
 GGML_TYPE_F16, GGML_TYPE_BF16 = 1, 30  # ggml.h's enum ggml_type (the binding names no BF16)
 NO_AMX = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
-"""Compiler flags that leave llama.cpp's AMX kernels out of a build for the builder's own CPU (see `_refuse_amx`)."""
+"""Compiler flags that leave llama.cpp's AMX kernels out of a build for the builder's own CPU: a build without the
+patch must (see `_amx_switch`)."""
 NO_OPENMP = "-DGGML_OPENMP=OFF"
 """llama.cpp on its own threads instead of OpenMP's (see `OPENMP_HINT`)."""
 BUILD_ARGS = (
@@ -35,6 +37,8 @@ EXACT_ROWS = 16
 GGML_CPU_EXACT_ROWS_MAX): a verify of up to this many tokens is one llama_decode call."""
 EXACT_ROWS_ENV = "USD_EXACT_ROWS"
 """Set to 0 to run a patched llama.cpp on the unpatched rule (for side-by-side measurements)."""
+AMX_PREFILL_ENV = "USD_AMX_PREFILL"
+"""Set to 0 to read prompts on the same kernels as plain steps where AMX tiles would read them (twin.py)."""
 PATCH_HINT = (
     "llama.cpp without usd-chat's exact-rows patch (pip's own build): a verify runs in calls of at most 3 tokens, "
     "so it costs about a plain step per token; ./dev.sh setup builds the patched llama.cpp"
@@ -81,11 +85,12 @@ def library():
                 del errors[:-5]
 
         system_info = llama_cpp.llama_print_system_info()
-        _refuse_amx(system_info)
+        amx = _amx_switch(system_info)
         llama_cpp.llama_log_set(log, ctypes.c_void_p(0))
         llama_cpp.llama_backend_init()
         _state.update(lib=llama_cpp, log=log, errors=errors)  # the callback must outlive every call into llama.cpp
         _state.update(_exact_rows())
+        _state.update(_amx_prefill(amx))
         openmp = b"OPENMP = 1" in system_info  # its threads are OpenMP's: no pools of llama.cpp's own to keep
         _state["threadpools"] = None if openmp else Threadpools(llama_cpp.llama_cpp._lib)
         return llama_cpp
@@ -197,20 +202,77 @@ def threadpools() -> Threadpools | None:
     return _state["threadpools"]
 
 
-def _refuse_amx(system_info: bytes) -> None:
-    """A build with llama.cpp's AMX kernels (what -march=native compiles where the CPU reports AMX) is refused before
-    it runs: its AMX buffer takes the K-quant weights the runner's exactness rule is measured on (kernels.py), and
-    built by GCC 12 its first tile-config load dies with a general protection fault, which kills the process (GCC
+def _amx_switch(system_info: bytes) -> Callable[[int], int] | None:
+    """The patch's ggml_cpu_set_amx_weights where the build has llama.cpp's AMX kernels (what -march=native compiles
+    where the CPU reports AMX), else None. A build with them but without the patch is refused before it runs: its AMX
+    buffer would take every model's K-quant weights, off the kernels the exactness rule is measured on (kernels.py),
+    and built by GCC 12 its first tile-config load dies with a general protection fault, which kills the process (GCC
     does not see that ldtilecfg reads the whole 64-byte config built on the stack and drops the stores of its rows and
-    widths). Mended, the tiles measured slower than the exact-rows kernels at every verify length (docs/benchmarks.md),
-    so the runner does not use them."""
-    if b"AMX_INT8 = 1" in system_info:
+    widths; the patch mends it and leaves the AMX buffer to the models that ask for it)."""
+    if b"AMX_INT8 = 1" not in system_info:
+        return None
+    try:
+        switch = ctypes.CDLL("libggml-cpu.so.0").ggml_cpu_set_amx_weights  # by name, as in _exact_rows
+    except (OSError, AttributeError):
         raise LlamaCppUnavailable(
-            "this llama-cpp-python was built with llama.cpp's AMX kernels, which usd-chat does not run (they "
-            "crashed on this kind of CPU, and its exactness rule does not cover them). Rebuild it without them: "
+            "this llama-cpp-python was built with llama.cpp's AMX kernels but without usd-chat's patch, and usd-chat "
+            "does not run that (they crashed on this kind of CPU, and its exactness rule does not cover them). "
+            "./dev.sh setup builds the patched llama.cpp; or rebuild it without them: "
             f'CMAKE_ARGS="{BUILD_ARGS}" pip install --force-reinstall --no-deps --no-cache-dir '
-            f'"llama-cpp-python=={version("llama_cpp_python")}" (./dev.sh setup builds it so)'
-        )
+            f'"llama-cpp-python=={version("llama_cpp_python")}"'
+        ) from None
+    switch.argtypes, switch.restype = [ctypes.c_int], ctypes.c_int
+    return switch
+
+
+def _amx_prefill(switch: Callable[[int], int] | None) -> dict:
+    """Whether models read prompts on AMX tiles (twin.py): {"amx_switch": the switch or None, "amx_why": why not,
+    where the CPU and the build have AMX}."""
+    if switch is None:
+        return {"amx_switch": None, "amx_why": ""}
+    if os.environ.get(AMX_PREFILL_ENV, "").strip() == "0":
+        return {"amx_switch": None, "amx_why": f"{AMX_PREFILL_ENV}=0"}
+    if not switch(1):  # the kernel refused the tile data permission (llama.cpp printed why)
+        return {"amx_switch": None, "amx_why": "the operating system refused this process the AMX tiles"}
+    switch(0)
+    return {"amx_switch": switch, "amx_why": ""}
+
+
+def amx_prefill() -> bool:
+    """Whether a model loaded now gets a twin that reads its prompts on the AMX tiles (twin.py)."""
+    library()
+    return _state["amx_switch"] is not None
+
+
+def amx_prefill_off(why: str) -> None:
+    """No more twins in this process, `why` kept for the load line: a check at load found a twin's rows not the same
+    bits in every batch (twin.py)."""
+    library()
+    _state.update(amx_switch=None, amx_why=why)
+
+
+def amx_prefill_why() -> str:
+    """Why prompts are not read on AMX tiles although the CPU and the build have them (empty otherwise)."""
+    library()
+    return _state["amx_why"]
+
+
+@contextlib.contextmanager
+def amx_weights() -> Iterator[None]:
+    """Models loaded inside put their weights in llama.cpp's AMX buffer (the patch's switch is process-wide: one load at
+    a time)."""
+    switch = _state["amx_switch"]
+    if switch is None:
+        raise InternalError("a model on AMX tiles without AMX (check amx_prefill first)")
+    with _load_lock:
+        switch(1)
+        try:
+            yield
+        finally:
+            switch(0)
+
+
+_load_lock = threading.Lock()
 
 
 def last_errors() -> str:

@@ -1,16 +1,19 @@
 """One llama.cpp context of a model: a KV cache, the ids it holds and which kernels computed them, and the one place
-where ids reach llama.cpp's C buffers (`_decode`), each call checked first."""
+where ids reach llama.cpp's C buffers (`decode`), each call checked first."""
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
 from ...errors import InternalError
 from .binding import last_errors, threadpools
 from .kernels import N_BATCH, ROW, Batching, Kernel
+
+if TYPE_CHECKING:
+    from .twin import Twin
 
 N_OUTPUTS = 32
 """Rows of logits one llama_decode call may return (llama.cpp keeps a buffer of this many rows of the vocabulary)."""
@@ -27,7 +30,9 @@ class LlamaCache:
     """A KV cache, the ids it holds and what computed them, and the decoding context whose ids it follows.
     llama.cpp's context is not thread-safe: one generation uses it at a time (`pool.CachePool.borrow`)."""
 
-    def __init__(self, lib, model, params, handles: list, n_vocab: int, batching: Batching, path: Path):
+    def __init__(
+        self, lib, model, params, handles: list, n_vocab: int, batching: Batching, path: Path, twin: Twin | None = None
+    ):
         ctx = lib.llama_init_from_model(model, params)
         if not ctx:
             raise RuntimeError(f"llama.cpp could not create a context for {path}{last_errors()}")
@@ -39,8 +44,11 @@ class LlamaCache:
             raise
         batch = lib.llama_batch_init(N_BATCH, 0, 1)
         handles.append((ctx, batch, free_pool))
-        self._lib, self._ctx, self._batch, self._mem = lib, ctx, batch, lib.llama_get_memory(ctx)
+        self._lib, self.ctx, self._batch, self._mem = lib, ctx, batch, lib.llama_get_memory(ctx)
         self.n_ctx, self.n_vocab, self.batching, self.path = lib.llama_n_ctx(ctx), n_vocab, batching, path
+        self.twin = twin
+        """Where the calls on the prefill kernels run, when the model has a twin (twin.py)."""
+        self.threads = params.n_threads
         self.kv: list[int] = []
         """The ids whose keys and values the cache holds, at positions 0..len-1."""
         self.kv_kernels: list[Kernel] = []
@@ -51,7 +59,12 @@ class LlamaCache:
         """A forward is using it (`pool.CachePool.borrow`)."""
 
     def set_threads(self, n: int) -> None:
-        self._lib.llama_set_n_threads(self._ctx, n, n)
+        self._lib.llama_set_n_threads(self.ctx, n, n)
+        self.threads = n
+
+    def drop_memory(self) -> None:
+        """Empty llama.cpp's cache, leaving what `kv` says to the caller (twin.py moves a sequence through it)."""
+        self._lib.llama_memory_seq_rm(self._mem, 0, 0, -1)
 
     def keep_first(self, n: int) -> None:
         """Drop the cached positions from n on (sequence removal: the cache's own rollback)."""
@@ -77,18 +90,21 @@ class LlamaCache:
         kinds = [kernels] * len(tokens) if isinstance(kernels, int) else list(kernels)
         n_out = min(n_out, len(tokens))
         first_out = len(tokens) - n_out
-        rows = []
+        rows: list[np.ndarray] = []
         for start, end in self.batching.calls(kinds):
             outs = max(0, end - max(first_out, start))
             if outs > self.batching.row_batch:  # the last layer runs on the rows read: on the row kernels
                 raise InternalError(f"{outs} rows of logits from one prefill batch (at most {self.batching.row_batch})")
-            for ptr in self._decode(tokens[start:end], len(self.kv), outs):
-                rows.append(np.ctypeslib.as_array(ptr, shape=(self.n_vocab,)).copy())  # the next decode reuses it
+            if self.twin is not None and kinds[start] != ROW:  # a call on the prefill kernels: the twin's
+                rows.extend(self.twin.decode(self, tokens[start:end], len(self.kv), outs))
+            else:
+                rows.extend(self.decode(tokens[start:end], len(self.kv), outs))
             self.kv.extend(tokens[start:end])
             self.kv_kernels.extend(kinds[start:end])
         return np.stack(rows) if rows else np.empty((0, self.n_vocab), dtype=np.float32)
 
-    def _decode(self, tokens: list[int], pos0: int, n_out: int):
+    def decode(self, tokens: list[int], pos0: int, n_out: int) -> list[np.ndarray]:
+        """One llama_decode call of `tokens` at positions from `pos0`: the logits of the last `n_out`."""
         n = len(tokens)
         if not 0 < n <= N_BATCH or not 0 <= n_out <= min(n, N_OUTPUTS):  # the C arrays hold N_BATCH entries
             raise InternalError(f"a llama_decode call of {n} tokens and {n_out} rows of logits")
@@ -100,17 +116,17 @@ class LlamaCache:
             b.n_seq_id[i] = 1
             b.seq_id[i][0] = 0
             b.logits[i] = i >= n - n_out
-        rc = lib.llama_decode(self._ctx, b)
+        rc = lib.llama_decode(self.ctx, b)
         if rc != 0:
             # the cache may hold part of the batch now: forget it, so the next feed starts from what is known
             lib.llama_memory_seq_rm(self._mem, 0, pos0, -1)
             raise RuntimeError(f"llama_decode failed ({rc}) on {n} tokens at position {pos0}{last_errors()}")
         rows = []
         for i in range(n - n_out, n):
-            ptr = lib.llama_get_logits_ith(self._ctx, i)
+            ptr = lib.llama_get_logits_ith(self.ctx, i)
             if not ptr:
                 raise RuntimeError(f"llama.cpp returned no logits for batch row {i}{last_errors()}")
-            rows.append(ptr)
+            rows.append(np.ctypeslib.as_array(ptr, shape=(self.n_vocab,)).copy())  # the next decode reuses it
         return rows
 
 

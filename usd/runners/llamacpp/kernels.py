@@ -27,6 +27,8 @@ llama.cpp's CPU backend picks kernels by batch size, and some sum in another ord
   layout, and the prefill kernels begin above it (`Batching.for_weights`). The first model a process loads checks it
   (`model.LlamaCppModel._check_rows`); rows that differ put the process back on the rule above, and the load line
   says so.
+- Where the CPU has AMX, a model's twin (twin.py) computes every call on the prefill kernels on its AMX tiles, whose
+  rows get the same bits in any batch; the choice below of what each position is computed on is the same.
 
 So each position gets a `Kernel` once, and keeps it:
 - ROW: the row kernels (row batches of at most 3 rows with repacked weights, 7 with plain ones, EXACT_ROWS with the

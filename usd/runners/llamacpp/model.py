@@ -15,6 +15,9 @@ from .. import cpu_threads
 from .binding import (
     GGML_TYPE_BF16,
     GGML_TYPE_F16,
+    amx_prefill,
+    amx_prefill_off,
+    amx_prefill_why,
     exact_rows,
     exact_rows_off,
     exact_rows_why,
@@ -26,6 +29,7 @@ from .cache import N_OUTPUTS, LlamaCache
 from .context import LlamaCppContext
 from .kernels import N_BATCH, ROW, Batching, Kernel
 from .pool import MAX_CACHES, CachePool
+from .twin import Twin
 
 N_CTX_CAP = 8192
 """The most positions a llama.cpp context gets (the catalog's context length, capped for memory)."""
@@ -95,9 +99,13 @@ class LlamaCppModel:
             setattr(cp, key, value)
         self._lib, self._model, self._params = lib, model, cp
         self._handles: list = []
-        """Each cache's llama.cpp context and batch, freed before the model."""
-        self._finalizer = weakref.finalize(self, _free, lib, model, self._handles)
+        """Each cache's llama.cpp context and batch, freed before the models."""
+        self._models = [model]
+        """The llama.cpp models: this one, and its twin's if it has one."""
+        self._finalizer = weakref.finalize(self, _free, lib, self._models, self._handles)
         self.n_threads = threads
+        mp.use_extra_bufts = True  # for the twin: the AMX buffer is one of llama.cpp's extra buffer types
+        self.twin = self._load_twin(mp) if amx_prefill() else None
         self.pool = CachePool(self._new_cache, threads, MAX_CACHES)  # (a test may lower pool.max_caches)
         self.n_ctx = self.pool.caches[0].n_ctx
         self.config = GGUFConfig(max_position_embeddings=self.n_ctx, vocab_size=self.n_vocab, n_ctx_train=n_train)
@@ -120,13 +128,42 @@ class LlamaCppModel:
             for cache in self.pool.caches:
                 cache.batching = self.batching
 
+    def _load_twin(self, model_params) -> Twin | None:
+        """A twin for the calls on the prefill kernels (twin.py), or None where it does not load or, checked once a
+        process on the first twin, its rows are not the same bits in every batch (no twins then)."""
+        global _twin_checked
+        try:
+            twin = Twin(self._lib, self.path, model_params, self._twin_cache)
+        except RuntimeError as e:
+            amx_prefill_off(f"a second copy of the weights for the AMX tiles did not load ({e})")
+            return None
+        self._models.append(twin.model)
+        if not _twin_checked:
+            _twin_checked = True
+            gap = twin.row_gap(self.n_vocab)
+            if gap != 0.0:
+                amx_prefill_off(f"the AMX tiles' rows differed by {gap:.3g} logits between batches on this CPU at load")
+                return None
+        return twin
+
+    def _twin_cache(self, model) -> LlamaCache:
+        return LlamaCache(self._lib, model, self._params, self._handles, self.n_vocab, self.batching, self.path)
+
+    @property
+    def rule(self) -> str:
+        """The exactness rule and how prompts are read, in words, for the load line."""
+        prompts = "; prompts read on AMX tiles, by a second copy of the weights" if self.twin is not None else ""
+        return f"{self.batching.rule}{self.rule_why}{prompts}"
+
     def __repr__(self) -> str:
         return f"LlamaCppModel({self.path.name}, n_ctx={self.n_ctx}, n_vocab={self.n_vocab}, threads={self.n_threads})"
 
     @property
     def rule_why(self) -> str:
-        """Why the unpatched rule runs, and what the build's threads cost (": ..."), or nothing."""
-        whys = [why for why in ("" if self.batching.exact_rows else exact_rows_why(), threads_why()) if why]
+        """Why the unpatched rule runs, what the build's threads cost and why no twin reads the prompts where the CPU
+        has AMX (": ..."), or nothing."""
+        no_twin = "" if self.twin is not None else amx_prefill_why()
+        whys = [why for why in ("" if self.batching.exact_rows else exact_rows_why(), threads_why(), no_twin) if why]
         return f": {'; '.join(whys)}" if whys else ""
 
     def new_context(self, ids: list[int]) -> LlamaCppContext:
@@ -136,7 +173,9 @@ class LlamaCppModel:
         self._finalizer()
 
     def _new_cache(self) -> LlamaCache:
-        return LlamaCache(self._lib, self._model, self._params, self._handles, self.n_vocab, self.batching, self.path)
+        return LlamaCache(
+            self._lib, self._model, self._params, self._handles, self.n_vocab, self.batching, self.path, self.twin
+        )
 
     def forget(self) -> None:
         self.pool.forget()
@@ -175,12 +214,15 @@ def row_gaps(model: LlamaCppModel, ids: list[int], sizes: list[int]) -> dict[int
 
 _exact_rows_checked = False
 """Whether a model of this process checked the patch's rows at load (`LlamaCppModel._check_rows`)."""
+_twin_checked = False
+"""Whether a twin of this process checked its rows at load (`LlamaCppModel._load_twin`)."""
 
 
-def _free(lib, model, handles: list) -> None:
+def _free(lib, models: list, handles: list) -> None:
     for ctx, batch, free_pool in handles:
         lib.llama_batch_free(batch)
         lib.llama_free(ctx)
         if free_pool is not None:  # after its context, which may still point to it
             free_pool()
-    lib.llama_model_free(model)
+    for model in models:
+        lib.llama_model_free(model)
