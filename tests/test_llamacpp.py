@@ -834,3 +834,31 @@ def test_a_twin_whose_rows_differ_at_load_is_dropped_and_the_load_line_says_why(
     finally:
         binding._state.update(kept)  # twins on again, for the tests after this one
     assert llamacpp.amx_prefill()
+
+
+@pytest.mark.real_models
+@needs_llama
+@needs_amx_twin
+def test_a_twin_reads_a_prompt_after_torch_used_the_amx_tiles_on_the_same_thread(catalog, real_paths):
+    """oneDNN's kernels under torch release the AMX tiles when they are done; llama.cpp's AMX kernels configured them
+    once a thread, and their next tile instruction on that thread was illegal, which killed the process (the app
+    runs torch and llama.cpp on the same worker threads). The patch loads the config at every call. In a child
+    process, since the failure is a signal."""
+    import subprocess
+    import sys
+
+    script = f"""
+import torch
+from usd.catalog import load_catalog
+from usd.runners import llamacpp
+from usd.store import gguf_file
+model = llamacpp.LlamaCppModel(gguf_file(load_catalog().get({SMOL!r}), log=lambda m: None), n_ctx=1024)
+ids = [(7 * i + 1000) % model.n_vocab for i in range(64)]
+prompt = lambda: model.new_context(ids).forward(keep=1)
+first = prompt()
+model.forget()
+torch.nn.functional.linear(torch.randn(256, 1024, dtype=torch.bfloat16), torch.randn(1024, 1024, dtype=torch.bfloat16))
+assert torch.equal(prompt(), first)
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, f"exit {done.returncode}: {done.stderr[-2000:]}"
