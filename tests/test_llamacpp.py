@@ -129,7 +129,7 @@ def test_each_llama_context_keeps_a_pool_of_llama_cpps_own_threads(gguf):
     """Without a kept pool, llama.cpp on its own threads starts and joins them at every call, which measured slower
     (binding.Threadpools)."""
     for name in (QWEN, SMOL):
-        assert all(free_pool is not None for _, _, free_pool in gguf[name][0]._handles)
+        assert all(free_pool is not None for _, _, free_pool in gguf[name][0].handles)
 
 
 @pytest.mark.real_models

@@ -4,16 +4,13 @@ where ids reach llama.cpp's C buffers (`decode`), each call checked first."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Protocol
+from typing import Any, Protocol
 
 import numpy as np
 
 from ...errors import InternalError
 from .binding import last_errors, threadpools
 from .kernels import N_BATCH, ROW, Batching, Kernel
-
-if TYPE_CHECKING:
-    from .twin import Twin
 
 N_OUTPUTS = 32
 """Rows of logits one llama_decode call may return (llama.cpp keeps a buffer of this many rows of the vocabulary)."""
@@ -26,13 +23,33 @@ class CacheUser(Protocol):
     cache: LlamaCache | None
 
 
+class PrefillTwin(Protocol):
+    """Where a cache's calls on the prefill kernels run, when its model has a twin (`twin.Twin`)."""
+
+    def decode(self, cache: LlamaCache, tokens: list[int], pos0: int, n_out: int) -> list[np.ndarray]: ...
+
+
+class CacheOwner(Protocol):
+    """What a cache takes from the model it belongs to (`model.LlamaCppModel`)."""
+
+    lib: Any
+    params: Any
+    """llama.cpp's context parameters, the same for every cache of the model."""
+    handles: list
+    """Each cache's llama.cpp context and batch, for the owner to free."""
+    n_vocab: int
+    batching: Batching
+    path: Path
+
+
 class LlamaCache:
     """A KV cache, the ids it holds and what computed them, and the decoding context whose ids it follows.
     llama.cpp's context is not thread-safe: one generation uses it at a time (`pool.CachePool.borrow`)."""
 
-    def __init__(
-        self, lib, model, params, handles: list, n_vocab: int, batching: Batching, path: Path, twin: Twin | None = None
-    ):
+    def __init__(self, owner: CacheOwner, model, twin: PrefillTwin | None = None):
+        """A context of the llama.cpp `model` (the owner's, or its twin's) with the owner's settings; the owner frees
+        it (its `handles`)."""
+        lib, params, path = owner.lib, owner.params, owner.path
         ctx = lib.llama_init_from_model(model, params)
         if not ctx:
             raise RuntimeError(f"llama.cpp could not create a context for {path}{last_errors()}")
@@ -43,9 +60,9 @@ class LlamaCache:
             lib.llama_free(ctx)
             raise
         batch = lib.llama_batch_init(N_BATCH, 0, 1)
-        handles.append((ctx, batch, free_pool))
+        owner.handles.append((ctx, batch, free_pool))
         self._lib, self.ctx, self._batch, self._mem = lib, ctx, batch, lib.llama_get_memory(ctx)
-        self.n_ctx, self.n_vocab, self.batching, self.path = lib.llama_n_ctx(ctx), n_vocab, batching, path
+        self.n_ctx, self.n_vocab, self.batching, self.path = lib.llama_n_ctx(ctx), owner.n_vocab, owner.batching, path
         self.twin = twin
         """Where the calls on the prefill kernels run, when the model has a twin (twin.py)."""
         self.threads = params.n_threads

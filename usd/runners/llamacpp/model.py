@@ -97,12 +97,13 @@ class LlamaCppModel:
         cp.no_perf = True
         for key, value in context_params.items():  # overrides, for measurements (they may break batch invariance)
             setattr(cp, key, value)
-        self._lib, self._model, self._params = lib, model, cp
-        self._handles: list = []
+        self.lib, self._model, self.params = lib, model, cp
+        """llama.cpp's functions, the model, and the parameters of each context (cache) of it."""
+        self.handles: list = []
         """Each cache's llama.cpp context and batch, freed before the models."""
         self._models = [model]
         """The llama.cpp models: this one, and its twin's if it has one."""
-        self._finalizer = weakref.finalize(self, _free, lib, self._models, self._handles)
+        self._finalizer = weakref.finalize(self, _free, lib, self._models, self.handles)
         self.n_threads = threads
         mp.use_extra_bufts = True  # for the twin: the AMX buffer is one of llama.cpp's extra buffer types
         self.twin = self._load_twin(mp) if amx_prefill() else None
@@ -133,7 +134,7 @@ class LlamaCppModel:
         process on the first twin, its rows are not the same bits in every batch (no twins then)."""
         global _twin_checked
         try:
-            twin = Twin(self._lib, self.path, model_params, self._twin_cache)
+            twin = Twin(self.lib, self.path, model_params, self._new_cache)
         except RuntimeError as e:
             amx_prefill_off(f"a second copy of the weights for the AMX tiles did not load ({e})")
             return None
@@ -145,9 +146,6 @@ class LlamaCppModel:
                 amx_prefill_off(f"the AMX tiles' rows differed by {gap:.3g} logits between batches on this CPU at load")
                 return None
         return twin
-
-    def _twin_cache(self, model) -> LlamaCache:
-        return LlamaCache(self._lib, model, self._params, self._handles, self.n_vocab, self.batching, self.path)
 
     @property
     def rule(self) -> str:
@@ -172,10 +170,11 @@ class LlamaCppModel:
     def close(self) -> None:
         self._finalizer()
 
-    def _new_cache(self) -> LlamaCache:
-        return LlamaCache(
-            self._lib, self._model, self._params, self._handles, self.n_vocab, self.batching, self.path, self.twin
-        )
+    def _new_cache(self, twin_model=None) -> LlamaCache:
+        """A cache of this model, whose prefill calls its twin computes, or one of `twin_model`, the twin's own."""
+        if twin_model is not None:
+            return LlamaCache(self, twin_model)
+        return LlamaCache(self, self._model, self.twin)
 
     def forget(self) -> None:
         self.pool.forget()
