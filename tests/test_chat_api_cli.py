@@ -23,7 +23,8 @@ import torch
 import usd
 from usd import chat
 from usd.cli import main
-from usd.pair import Pair, PairMemory
+from usd.memory import LoadCosts, PairMemory, RenderingTally
+from usd.pair import Pair
 from usd.settings import GenerationSettings
 
 QWEN, SMOL, GEMMA = "qwen2.5-coder-0.5b-instruct", "smollm2-135m-instruct", "gemma-3-270m"
@@ -197,7 +198,7 @@ def test_choose_rendering_tries_each_twice_then_keeps_the_better():
         seen.append(r)
         chat.record_rendering(memory, r, accepted, 10)
     assert seen == ["own", "own", "stripped", "stripped"]
-    assert memory.rendering == {"own": [2, 5, 20], "stripped": [2, 14, 20]}
+    assert memory.rendering == {"own": RenderingTally(2, 5, 20), "stripped": RenderingTally(2, 14, 20)}
     assert chat.choose_rendering(memory, "auto") == "stripped"
     # it keeps measuring the one it uses, and changes its mind when the numbers do
     chat.record_rendering(memory, "stripped", 0, 40)
@@ -209,7 +210,7 @@ def test_choose_rendering_ignores_generations_that_drafted_nothing():
     chat.record_rendering(memory, "own", 0, 0)
     chat.record_rendering(memory, "own", 0, 0)
     assert chat.choose_rendering(memory, "auto") == "own"  # still untried
-    assert memory.rendering.get("own", [0, 0, 0])[0] == 0
+    assert "own" not in memory.rendering
 
 
 def test_choose_rendering_explicit_and_invalid():
@@ -240,8 +241,8 @@ def test_api_auto_rendering_alternates_and_never_changes_greedy_output(tiny):
         assert done.stats.drafted > 0
         outputs.append(done.target_ids)
         seen = pair.memory.rendering
-        tries.append({r: n for r, (n, _, _) in seen.items()})
-        measured.append({r: a / d for r, (_, a, d) in seen.items()})
+        tries.append({r: t.generations for r, t in seen.items()})
+        measured.append({r: t.accepted / t.drafted for r, t in seen.items()})
     assert tries[:4] == [{"own": 1}, {"own": 2}, {"own": 2, "stripped": 1}, {"own": 2, "stripped": 2}]
     # the fifth uses the rendering whose drafts were accepted more often, as measured after the fourth
     better = max(("own", "stripped"), key=measured[3].get)
@@ -287,7 +288,7 @@ def test_a_seed_gives_plain_decodings_sample_with_slem_and_auto(tiny, algorithm,
     if algorithm == "auto":
         # costs at load that make drafting free: with the tiny models' own, auto's probing budget in a 12-token answer
         # (2% of it) may rightly allow no draft at all, and then the seed's tokens would not be checked under drafting
-        pair.memory.costs = {"step_s": 1e-3, "c": 0.0, "feed": 1e-6, "v": {str(k): 1.0 for k in range(1, 17)}}
+        pair.memory.costs = LoadCosts(step_s=1e-3, c=0.0, v=dict.fromkeys(range(1, 17), 1.0), feed=1e-6)
     drafted = 0
     for seed in range(4):
         # top-k keeps CDF boundaries far apart: a k+1-token verify forward rounds differently from single steps

@@ -112,7 +112,7 @@ def test_first_two_tokens_distributed_as_plain_sampling(pairs, key, algorithm, k
     assert 0.02 < alpha < 0.98, f"acceptance {alpha:.2f}: the test must exercise both accept and reject paths"
     assert_matches(counts, joint)
     if algorithm == "auto":  # it must really have switched between what it can do
-        assert {"none", "tli", "slem"} <= set(pair.memory.schedule["modes"])
+        assert {"none", "tli", "slem"} <= set(pair.memory.schedule.modes)
 
 
 def test_plain_sampling_through_the_loop_matches_too(pairs):
@@ -134,4 +134,4 @@ def test_auto_mixing_the_lookup_and_the_drafter_models_algorithms_matches_too(pa
     counts, alpha = run(pair, echo, dids, "auto", 3)
     assert 0.02 < alpha < 0.98, f"acceptance {alpha:.2f}: the test must exercise both accept and reject paths"
     assert_matches(counts, joint)
-    assert {"none", "tli", "slem", "ngram"} <= set(pair.memory.schedule["modes"])
+    assert {"none", "tli", "slem", "ngram"} <= set(pair.memory.schedule.modes)

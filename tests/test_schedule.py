@@ -12,7 +12,7 @@ from types import SimpleNamespace
 import pytest
 
 from usd.algorithms import Algorithm
-from usd.pair import PairMemory
+from usd.memory import Learned, LoadCosts, PairMemory
 from usd.record import RoundRecord
 from usd.schedule import (
     ALPHA_DECAY,
@@ -102,16 +102,16 @@ def test_probe_round_first_then_every_mode_is_tried():
 
 
 def test_the_cost_model_picks_the_k_the_formula_says():
-    model = CostModel({})
+    model = CostModel(Learned())
     world = World(alpha={"tli": 0.7}, draft={"tli": 0.08}, verify=lambda n: 1.0 + 0.12 * (n - 1) ** 1.3)
     for n in range(1, K_MAX + 2):  # every length measured once, exactly
         model.observe(RoundRecord("none" if n == 1 else "tli", n - 1, n - 1, 0, verify_s=world.verify(n)))
     for _ in range(200):  # acceptance: 70% of tested positions
         model.observe(RoundRecord("tli", 0, 0, 0, verify_s=world.verify(1)))
     tested = 1 / (1 - ALPHA_DECAY)  # the weight of a long run of tested positions: the prior has faded
-    model.modes["tli"]["hits"] = [0.7 * tested, tested]
-    model.modes["tli"]["draft"] = [0.08, 1.0]
-    model.modes["tli"]["other"] = [0.0, 1.0]
+    model.modes["tli"].hits = [0.7 * tested, tested]
+    model.modes["tli"].draft = [0.08, 1.0]
+    model.modes["tli"].other = [0.0, 1.0]
     k, rate = model.best_k(Algorithm.TLI)
     assert (k, rate) == (best_by_formula(world, "tli")[0], pytest.approx(best_by_formula(world, "tli")[1]))
     assert model.expected_speedup(Algorithm.TLI, k) == pytest.approx(rate * world.verify(1))
@@ -123,7 +123,7 @@ def test_a_first_plain_step_slowed_by_other_work_does_not_make_verifies_look_che
     half a step, and the panel expect a fixed slem 7.9x where it ran at 0.44x."""
     from usd.tally import MIN_PLAIN_STEPS
 
-    model = CostModel({}, {"step_s": 0.1})
+    model = CostModel(Learned(), LoadCosts(step_s=0.1, c=0.0, v={}, feed=0.0))
     model.observe(RoundRecord("none", 0, 0, 0, verify_s=0.4))
     model.observe(RoundRecord("tli", 1, 1, 1, draft_steps=1, draft_s=0.03, verify_s=0.18))
     assert model.step() == 0.1
@@ -308,7 +308,7 @@ def test_a_mode_that_realises_less_than_plain_decoding_is_dropped_whatever_the_m
 def costed_pair(c: float, v: dict[int, float], **extra):
     """A pair whose c and v(k) were measured at load (usd/costs.py)."""
     pair = fake_pair()
-    pair.memory.costs = {"step_s": 1.0, "c": c, "v": {str(k): x for k, x in v.items()}, **extra}
+    pair.memory.costs = LoadCosts(step_s=1.0, c=c, v=dict(v), feed=extra.pop("feed", 0.0), **extra)
     return pair
 
 
@@ -438,7 +438,7 @@ def test_where_speculation_cannot_pay_every_answer_costs_at_most_the_probing_bud
 
     world = World(**MEASURED_IN_THE_LOOP, rng=random.Random(seed))
     pair = costed_pair(**OPTIMISTIC_AT_LOAD)
-    pair.memory.costs["step_s"] = world.verify(1)
+    pair.memory.costs.step_s = world.verify(1)
     tokens = 48
     plain = tokens * world.verify(1)  # the world's plain answer (a speculative round emits at least one token)
     spent = answers(world, pair, 40, tokens)
@@ -449,7 +449,7 @@ def test_where_speculation_cannot_pay_every_answer_costs_at_most_the_probing_bud
 
 def test_where_speculation_pays_auto_switches_to_it_within_the_first_answer():
     world, pair = World(**PAYS), costed_pair(0.1, {1: 1.05, 2: 1.1, 4: 1.2})
-    pair.memory.costs["step_s"] = world.verify(1)
+    pair.memory.costs.step_s = world.verify(1)
     s = Schedule(pair, AUTO, "auto", answer_tokens=128)
     chosen = [m for m, _ in world.run(s, 60)]
     assert chosen[20:].count("tli") / 40 > 0.8
@@ -476,7 +476,7 @@ def test_a_load_that_makes_speculation_lose_mid_answer_moves_auto_to_plain_decod
 def test_costs_are_kept_per_cache_length():
     """A verify over a long cache costs more steps than over a short one (attention grows with it): each length is
     priced from what was measured there, or at the nearest length measured."""
-    model = CostModel({}, {"step_s": 1.0})
+    model = CostModel(Learned(), LoadCosts(step_s=1.0, c=0.0, v={}, feed=0.0))
     for context, verify in ((100, 1.3), (3000, 2.4)):
         for _ in range(5):
             model.observe(RoundRecord("none", 0, 0, 0, verify_s=1.0, context=context))
@@ -490,7 +490,7 @@ def test_costs_are_kept_per_cache_length():
 
 
 def test_the_load_s_verify_costs_are_a_prior_that_the_loop_s_measurements_correct():
-    model = CostModel({}, {"step_s": 1.0, "c": 0.14, "v": {"1": 1.5, "2": 2.0, "4": 3.0}})
+    model = CostModel(Learned(), LoadCosts(step_s=1.0, c=0.14, v={1: 1.5, 2: 2.0, 4: 3.0}, feed=0.0))
     assert model.V(3) == pytest.approx(2.0) and model.draft_step(Algorithm.TLI) == pytest.approx(0.14)
     for _ in range(5):  # the loop finds a verify of 2 positions 1.2x what the load timed, and the drafter's step 0.3
         model.observe(RoundRecord("none", 0, 0, 0, verify_s=1.0))
@@ -607,7 +607,7 @@ def test_a_few_candidates_kept_at_k_1_are_no_promise_that_a_long_draft_would_be(
     """Three rounds of k = 1 that kept their candidate made slem's acceptance read 1.0, and the next round drafted 8
     tokens, a round of 5.7 steps that kept one (found by a run of the never-right test above on another seed): until
     a mode is tested over more positions its acceptance is drawn toward ALPHA_PRIOR."""
-    model, world = CostModel({}), World(**STEEP_ROWS)
+    model, world = CostModel(Learned()), World(**STEEP_ROWS)
     for n in [1] * 8 + list(range(2, K_MAX + 2)):  # plain steps, and every verify length measured
         model.observe(RoundRecord("none" if n == 1 else "tli", n - 1, n - 1, 0, verify_s=world.verify(n)))
     for _ in range(MIN_TRIES):

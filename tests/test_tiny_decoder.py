@@ -363,7 +363,7 @@ def test_first_two_tokens_distributed_as_plain_sampling(case, request):
     p = p_value(counts, joint)
     assert p > ALPHA, f"{case}: p = {p:.1e}, observed {counts}"
     if algorithm == "auto":
-        assert {"none", "tli", "slem"} <= set(pair.memory.schedule["modes"])
+        assert {"none", "tli", "slem"} <= set(pair.memory.schedule.modes)
 
 
 def test_seeded_auto_mixing_plain_slem_and_lookups_is_distributed_as_plain_sampling(confident_pairs, monkeypatch):

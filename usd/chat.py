@@ -8,7 +8,7 @@ the one whose drafts the target accepts more often. Base models without a templa
 
 from __future__ import annotations
 
-from .pair import PairMemory
+from .memory import PairMemory, RenderingTally
 from .settings import short_repr
 from .utf8 import not_text
 
@@ -91,15 +91,17 @@ def choose_rendering(memory: PairMemory, asked: str) -> str:
         return asked
     seen = memory.rendering
     for r in ("own", "stripped"):
-        if seen.get(r, [0, 0, 0])[0] < _TRIES:
+        if r not in seen or seen[r].generations < _TRIES:
             return r
-    return max(("own", "stripped"), key=lambda r: seen[r][1] / max(1, seen[r][2]))
+    return max(("own", "stripped"), key=lambda r: seen[r].accepted / max(1, seen[r].drafted))
 
 
 def record_rendering(memory: PairMemory, rendering: str, accepted: int, drafted: int) -> None:
-    n, a, d = memory.rendering.get(rendering, [0, 0, 0])
     if drafted:
-        memory.rendering[rendering] = [n + 1, a + accepted, d + drafted]
+        tally = memory.rendering.setdefault(rendering, RenderingTally())
+        tally.generations += 1
+        tally.accepted += accepted
+        tally.drafted += drafted
 
 
 def target_ids(pair, prompt: str | None = None, messages: list[dict] | None = None) -> list[int]:

@@ -20,10 +20,11 @@ from pathlib import Path
 import torch
 
 from .hugepages import huge_pages_in_use
+from .memory import Learned, LoadCosts
 from .runners import is_own_runner
 from .runners.llamacpp import LlamaCppModel
 from .runners.transformers.cpu_kernels import busy, cpu_name, read_choices, write_choices
-from .schedule import measured_v, speedup_bound, valid_memory
+from .schedule import speedup_bound
 from .vocab import ceiling_of
 
 FED = (5, 3, 2)
@@ -66,9 +67,8 @@ def _context(runner, tokenizer):
 
 
 @torch.inference_mode()
-def measure(pair) -> dict:
-    """{"step_s": the target's step, "c": drafter step / target step, "v": {k: V(k + 1) / V(1)}, "feed": the
-    drafter's catching up per position / target step} on this machine."""
+def measure(pair) -> LoadCosts:
+    """The pair's step, c, v(k) (V(k + 1) / V(1)) and feed on this machine."""
     target, t_ids = _context(pair.target_runner, pair.target_tokenizer)
     drafter, d_ids = _context(pair.drafter_runner, pair.drafter_tokenizer)
     steps, draft_steps, feeds = [], [], []
@@ -84,12 +84,8 @@ def measure(pair) -> dict:
     for runner in (pair.target_runner, pair.drafter_runner):
         runner.forget()
     step, fed = min(steps), min(FEED, len(d_ids) - 1)
-    return {
-        "step_s": step,
-        "c": min(draft_steps) / step,
-        "v": {str(n - 1): min(t) / step for n, t in verify.items()},
-        "feed": min(feeds) / fed / step,
-    }
+    v = {n - 1: min(t) / step for n, t in verify.items()}
+    return LoadCosts(step_s=step, c=min(draft_steps) / step, v=v, feed=min(feeds) / fed / step)
 
 
 def machine(model) -> str:
@@ -114,7 +110,7 @@ def machine_key(pair) -> str:
     return f"{machine(pair.target)}|threads={torch.get_num_threads()}|{pair.target_name}|{pair.drafter_name}"
 
 
-def costs_for(pair, cache_dir: Path | None, log=print) -> dict | None:
+def costs_for(pair, cache_dir: Path | None, log=print) -> LoadCosts | None:
     """This pair's c and v(k) on this machine: measured once (and again at each load while the machine is busy, as
     cpu_kernels does), then read from the cache. None for a pair without a drafter."""
     if pair.drafter is None:
@@ -122,40 +118,31 @@ def costs_for(pair, cache_dir: Path | None, log=print) -> dict | None:
     cache = cache_dir / CACHE_FILE if cache_dir is not None else None
     known = read_choices(cache)
     key = machine_key(pair)
-    costs = known.get(key)
-    if costs is None or not _valid(costs):
+    costs = LoadCosts.from_json(known.get(key))
+    if costs is None:
         t0 = time.perf_counter()
         costs = measure(pair)
         took = time.perf_counter() - t0
         if busy():
             log(f"{pair.drafter_name}: the machine is busy, so c and v(k) are not cached (measured again next load)")
         else:
-            known[key] = costs
+            known[key] = costs.to_json()
             write_choices(cache, known)
         log(f"{pair.drafter_name}: c and v(k) measured in {took:.2f} s: {describe(costs)}")
     else:
         log(f"{pair.drafter_name}: c and v(k) measured here before: {describe(costs)}")
-    costs = dict(costs)
-    if not pair.same_tokenizer and speedup_bound(costs["c"], measured_v(costs))[1] >= 1:
+    if not pair.same_tokenizer and speedup_bound(costs.c, costs.v)[1] >= 1:
         # only where a full acceptance could pay is tli's own cap worth its vocabulary alignment (a second or two)
-        costs["tli_ceiling"] = ceiling_of(pair.target_tokenizer, set(pair.intersection()[1].tolist()))
+        costs.tli_ceiling = ceiling_of(pair.target_tokenizer, set(pair.intersection()[1].tolist()))
     return costs
 
 
-def _valid(costs) -> bool:
-    try:
-        positive = costs["step_s"] > 0 and costs["feed"] > 0
-        return positive and costs["c"] >= 0 and all(float(v) > 0 for v in costs["v"].values())
-    except (KeyError, TypeError, ValueError, AttributeError):
-        return False
-
-
-def describe(costs: dict) -> str:
-    vs = ", ".join(f"v({k}) {v:.2f}" for k, v in sorted(measured_v(costs).items()))
-    k, bound = speedup_bound(costs["c"], measured_v(costs))
+def describe(costs: LoadCosts) -> str:
+    vs = ", ".join(f"v({k}) {v:.2f}" for k, v in sorted(costs.v.items()))
+    k, bound = speedup_bound(costs.c, costs.v)
     verdict = "speculation can pay" if bound >= 1 else "no draft length can pay: auto decodes plainly"
     return (
-        f"target step {costs['step_s'] * 1e3:.1f} ms, c {costs['c']:.2f}, {vs}; at most {bound:.2f}x with every "
+        f"target step {costs.step_s * 1e3:.1f} ms, c {costs.c:.2f}, {vs}; at most {bound:.2f}x with every "
         f"draft accepted (k = {k}): {verdict}"
     )
 
@@ -170,18 +157,18 @@ def restore_learned(pair, cache_dir: Path | None) -> None:
     cache = cache_dir / CACHE_FILE if cache_dir is not None else None
     key = machine_key(pair) + LEARNED
     pair.memory.learned_at = (cache, key)
-    learned = read_choices(cache).get(key)
-    if valid_memory(learned):
+    learned = Learned.from_json(read_choices(cache).get(key))
+    if learned is not None:
         pair.memory.schedule = learned
 
 
 def remember(pair) -> None:
     """Keep what auto learned of the pair so far (after a generation) for the next process on this machine."""
     cache, key = pair.memory.learned_at or (None, None)
-    if cache is None or not pair.memory.schedule:
+    if cache is None or pair.memory.schedule == Learned():
         return
     try:
-        learned = json.loads(json.dumps(pair.memory.schedule))
+        learned = json.loads(json.dumps(pair.memory.schedule.to_json()))
     except (RuntimeError, TypeError, ValueError):  # another generation of the pair changed it meanwhile: next time
         return
     known = read_choices(cache)

@@ -4,11 +4,11 @@ about their vocabularies."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
 
+from .memory import PairMemory
 from .runners import Runner, cpu_threads, runner_for
 from .vocab import TokenizerBytes, align, fingerprint, same_vocabulary, tokenizer_bytes
 
@@ -34,25 +34,6 @@ def model_context_length(model) -> int | None:
         if isinstance(n, int) and n > 0:
             return n
     return None
-
-
-@dataclass
-class PairMemory:
-    """What outlives single generations of a pair in this process, and what auto plans with."""
-
-    costs: dict | None = None
-    """The costs measured at load (`costs.costs_for`: step_s, c, v by draft length, feed): auto's prior."""
-    schedule: dict = field(default_factory=dict)
-    """What auto measured while decoding (`schedule.CostModel`, `schedule.Schedule`), JSON-friendly: kept per pair
-    and CPU across restarts (`costs.remember`)."""
-    learned_at: tuple[Path | None, str] | None = None
-    """Where `schedule` is kept across restarts: (cost cache file, key) (`costs.restore_learned`)."""
-    rendering: dict = field(default_factory=dict)
-    """How each drafter prompt rendering fared: rendering -> [generations, accepted, drafted] (`chat`)."""
-
-    def clear(self) -> None:
-        """Forget everything, as a freshly loaded pair knows nothing."""
-        self.costs, self.schedule, self.learned_at, self.rendering = None, {}, None, {}
 
 
 @dataclass

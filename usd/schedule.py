@@ -30,13 +30,13 @@ lossless: every round emits tokens distributed as the target's, whatever it was 
 
 from __future__ import annotations
 
-import math
 from collections.abc import Collection
 
 from . import settings
-from .algorithms import DRAFTING, NAMES, PLAIN, Algorithm, auto_modes
+from .algorithms import DRAFTING, PLAIN, Algorithm, auto_modes
 from .drafters import CATCH_UP_MIN
 from .events import Bound, Source, SourceState
+from .memory import Learned, LoadCosts, ModeStats
 from .record import RoundRecord
 from .tally import MIN_PLAIN_STEPS, reference_step
 from .theory import best_k, tau
@@ -112,11 +112,6 @@ def speedup_bound(c: float, v: dict[int, float], ceiling: float = 1.0, k_max: in
     return best_k(ceiling, c, lambda k: interpolate(known, k + 1), range(1, k_max + 1))
 
 
-def measured_v(costs: dict) -> dict[int, float]:
-    """{k: v(k)} of the costs measured at load (usd/costs.py keeps k as a string, for JSON)."""
-    return {int(k): vk for k, vk in costs["v"].items()}
-
-
 def interpolate(known: dict[int, float], n: int) -> float:
     """A forward's time (or cost) over n positions from the lengths measured: the measured value, interpolated between
     measured lengths, extrapolated along the last measured slope beyond them (never assumed flat or linear)."""
@@ -162,40 +157,6 @@ class Mean:
         return cell[0] / cell[1] if cell and cell[1] > 0 else None
 
 
-MEMORY_FORMAT = 2
-"""The layout of the memory the schedule keeps (`valid_memory`): the cost cache keeps it across processes."""
-
-
-def _numbers(xs) -> bool:
-    return isinstance(xs, list) and all(isinstance(x, int | float) and math.isfinite(x) for x in xs)
-
-
-def valid_memory(memory) -> bool:
-    """Whether `memory`, read back from the cost cache, has the layout this schedule keeps: another layout (an older
-    version's) or a damaged file is not used, and the pair starts from what was measured at load."""
-    try:
-        modes = memory["modes"]
-        cells = [memory["feed"], memory["answer_tokens"]]
-        cells += [m[c] for m in modes.values() for c in ("draft", "c", "other", "hits")]
-        verifies = [cell for by_n in memory["verify"].values() for window in by_n.values() for cell in window]
-        keys = [*memory["steps"], *memory["verify"], *(n for by_n in memory["verify"].values() for n in by_n)]
-        named = [*modes, *memory["gap"], *memory["since"], *memory["setup_s"]]
-        return (
-            memory["format"] == MEMORY_FORMAT
-            and isinstance(memory["observed"], int)
-            and all(isinstance(key, str) and key.isdigit() for key in keys)
-            and all(name in NAMES for name in named)
-            and all(_numbers(xs) for xs in memory["steps"].values())
-            and all(_numbers(cell) and len(cell) == 2 for cell in cells)
-            and all(isinstance(m["rounds"], int) for m in modes.values())
-            and all(_numbers([t]) and (r is None or _numbers([r])) for t, r in verifies)
-            and all(_numbers(list(memory[key].values())) for key in ("gap", "since", "setup_s"))
-            and _numbers([memory.get("last_answer", 0)])
-        )
-    except (KeyError, TypeError, ValueError, AttributeError):
-        return False
-
-
 def length_bucket(context: int) -> str:
     """The cache lengths whose costs are kept together: under LENGTH_BUCKET positions, then each doubling of it (a
     forward's attention grows with the cache, and flash attention changes kernels past 512 cells)."""
@@ -216,19 +177,13 @@ class CostModel:
     plain step now; the drafter's step likewise. So other work that slows the machine for a while slows the estimates
     of plain and speculative rounds alike, instead of making whichever was measured in the quiet look cheap."""
 
-    def __init__(self, memory: dict, prior: dict | None = None):
+    def __init__(self, memory: Learned, prior: LoadCosts | None = None):
         self.memory = memory
-        self.prior = prior or {}
-        """The costs timed at load (usd/costs.py: step_s, c, v(k), feed), a prior only: each is used until the loop
-        has measured its own."""
-        self.step_at_load: float | None = self.prior.get("step_s")
+        self.prior = prior
+        """The costs timed at load (usd/costs.py), a prior only: each is used until the loop has measured its own."""
+        self.step_at_load: float | None = prior.step_s if prior else None
         """The reference step until MIN_PLAIN_STEPS steps are measured."""
-        self.steps = memory.setdefault("steps", {})  # length bucket -> seconds of its last WINDOW one-position forwards
-        self.verify = memory.setdefault("verify", {})  # bucket -> str(n) -> the last WINDOW [seconds, seconds / step]
-        self.modes = memory.setdefault("modes", {})  # mode -> {"draft", "c", "other", "hits", "rounds"}
-        self.feed = memory.setdefault("feed", [0.0, 0.0])  # the drafter catching up: per position, over the step
-        memory.setdefault("observed", 0)  # rounds observed into this memory, by any generation of the pair
-        memory.setdefault("format", MEMORY_FORMAT)
+        self.steps, self.verify, self.modes, self.feed = memory.steps, memory.verify, memory.modes, memory.feed
         self.bucket = length_bucket(0)
         """The cache length what the model is asked about is priced at (`at`)."""
         self._as_of: tuple[int, str] | None = None
@@ -241,10 +196,6 @@ class CostModel:
     def at(self, context: int) -> None:
         """Price what is asked next at a target cache of `context` positions."""
         self.bucket = length_bucket(context)
-
-    def _mode(self, mode: Algorithm) -> dict:
-        cells = ("draft", "c", "other", "hits")
-        return self.modes.setdefault(mode, {**{c: [0.0, 0.0] for c in cells}, "rounds": 0})
 
     def step(self) -> float | None:
         """The target's single step at this cache length: the median of the recent ones there, or at the nearest
@@ -261,7 +212,7 @@ class CostModel:
         """A forward that fed no position (round 0's plain one) tells nothing of V."""
         bucket = length_bucket(r.context)
         step = self._step(bucket)  # the plain steps measured before this round: its reference
-        self.memory["observed"] += 1
+        self.memory.observed += 1
         fed = r.positions_fed
         if fed == 1:
             _keep_last(self.steps.setdefault(bucket, []), r.verify_s)
@@ -270,26 +221,30 @@ class CostModel:
             _keep_last(cells, [r.verify_s, r.verify_s / step if step else None])
         if r.setup_tokens and step:
             Mean.add(self.feed, r.setup_s / r.setup_tokens / step)
-        m = self._mode(r.algorithm)
-        m["rounds"] += 1
+        m = self.memory.mode(r.algorithm)
+        m.rounds += 1
         # a draft with no model steps (a lookup) is priced as the round's other work: it costs what it took
-        Mean.add(m["other"], r.other_s + (r.draft_s if not r.draft_steps else 0.0))
+        Mean.add(m.other, r.other_s + (r.draft_s if not r.draft_steps else 0.0))
         for _ in range(r.draft_steps):
-            Mean.add(m["draft"], r.draft_s / r.draft_steps)
+            Mean.add(m.draft, r.draft_s / r.draft_steps)
             if step:
-                Mean.add(m["c"], r.draft_s / r.draft_steps / step)
+                Mean.add(m.c, r.draft_s / r.draft_steps / step)
         for i in range(tested_positions(r.accepted, r.drafted)):  # acceptance as the verifier saw it
-            Mean.add(m["hits"], 1.0 if i < r.accepted else 0.0, ALPHA_DECAY)
+            Mean.add(m.hits, 1.0 if i < r.accepted else 0.0, ALPHA_DECAY)
+
+    def _stats(self, mode: Algorithm) -> ModeStats:
+        """The mode's measurements, empty where it has none (not kept: a mode asked about is not one observed)."""
+        return self.modes.get(mode) or ModeStats()
 
     def rounds(self, mode: Algorithm) -> int:
-        return self.modes.get(mode, {}).get("rounds", 0)
+        return self._stats(mode).rounds
 
     def alpha(self, mode: Algorithm) -> float | None:
         """The mode's acceptance per tested position, recent positions weighted up (ALPHA_DECAY), starting from
         ALPHA_PRIOR_WEIGHT positions of ALPHA_PRIOR that fade as the tested ones do: three candidates kept at k = 1 are
         no promise that eight would be, while a mode tested over many positions reads as measured."""
-        hits = self.modes.get(mode, {}).get("hits")
-        if not hits or hits[1] <= 0:
+        hits = self._stats(mode).hits
+        if hits[1] <= 0:
             return None
         # the cell's weight is sum(ALPHA_DECAY^i) over the tested positions, so the prior's faded weight follows from it
         faded = ALPHA_PRIOR_WEIGHT * max(0.0, 1.0 - hits[1] * (1.0 - ALPHA_DECAY))
@@ -311,12 +266,12 @@ class CostModel:
 
     def drafter_c(self) -> float | None:
         """The drafter's step over the target's as the loop measured it (the cheapest of its modes), if it has."""
-        measured = [c for m in DRAFTING if (c := Mean.of(self.modes.get(m, {}).get("c")))]
+        measured = [c for m in DRAFTING if (c := Mean.of(self._stats(m).c))]
         return min(measured) if measured else None
 
     def _fresh(self) -> None:
         """Drop the caches once another round has been observed into the memory, or another length is asked about."""
-        key = (self.memory["observed"], self.bucket)
+        key = (self.memory.observed, self.bucket)
         if self._as_of != key:
             self._as_of, self._known, self._best_k, self._costs = key, None, {}, {}
 
@@ -348,7 +303,7 @@ class CostModel:
 
     def _prior_ratios(self, measured: dict[int, float]) -> dict[int, float]:
         """The load's V(n) over the step, scaled by how the loop's measurements of the same lengths compare."""
-        prior = {1 + int(k): float(vk) for k, vk in (self.prior.get("v") or {}).items()}
+        prior = {1 + k: vk for k, vk in self.prior.v.items()} if self.prior else {}
         shared = [measured[n] / prior[n] for n in measured if n in prior]
         scale = sum(shared) / len(shared) if shared else 1.0
         return {n: vn * scale for n, vn in prior.items()}
@@ -356,16 +311,16 @@ class CostModel:
     def draft_step(self, mode: Algorithm) -> float:
         """The drafter's step in seconds: its ratio to the plain steps near it (the load's c until the loop measured
         one), times the plain step now."""
-        m, step = self.modes.get(mode, {}), self.step()
-        c = Mean.of(m.get("c"))
-        if c is None and mode.needs_drafter:
-            c = self.prior.get("c")
-        return c * step if c is not None and step else (Mean.of(m.get("draft")) or 0.0)
+        m, step = self._stats(mode), self.step()
+        c = Mean.of(m.c)
+        if c is None and mode.needs_drafter and self.prior:
+            c = self.prior.c
+        return c * step if c is not None and step else (Mean.of(m.draft) or 0.0)
 
     def catch_up(self, pending: int) -> float:
         """Seconds the drafter takes to feed the `pending` positions it lacks before it drafts (none up to
         CATCH_UP_MIN, which its first step feeds): per position as the loop measured it, else as timed at load."""
-        rate, step = Mean.of(self.feed) or self.prior.get("feed"), self.step()
+        rate, step = Mean.of(self.feed) or (self.prior.feed if self.prior else None), self.step()
         return (pending - 1) * rate * step if pending > CATCH_UP_MIN and rate and step else 0.0
 
     def round_cost(self, mode: Algorithm, k: int, pending: int = 0) -> float | None:
@@ -380,7 +335,7 @@ class CostModel:
         verify = self.V(k + 1)
         if verify is None:
             return None
-        other = Mean.of(self.modes.get(mode, {}).get("other")) or 0.0
+        other = Mean.of(self._stats(mode).other) or 0.0
         catch_up = self.catch_up(pending) if mode.needs_drafter else 0.0
         return k * self.draft_step(mode) + verify + other + catch_up
 
@@ -444,13 +399,9 @@ class Schedule:
         self.round = 0
         memory = pair.memory.schedule
         self.model = CostModel(memory, pair.memory.costs)
-        self.gap = memory.setdefault("gap", {})  # mode -> rounds to wait before probing it again
-        # rounds since each mode last ran, counted across generations: a probe costs a drafter prefill and catch-up,
-        # so restarting the count per generation would probe in every answer
-        self.since = memory.setdefault("since", {})
+        self.gap, self.since, self.setup_s = memory.gap, memory.since, memory.setup_s
         for m in self.modes:
             self.since.setdefault(m, 0)
-        self.setup_s = memory.setdefault("setup_s", {})  # mode -> setup seconds its next wait has yet to pay off
         self.answer_tokens = self._expected_length(memory, answer_tokens)
         """The answer's expected length: what sizes its probing budget (a max new tokens of thousands is no reason to
         probe more in an answer that, like the pair's earlier ones, ends after a few dozen)."""
@@ -484,20 +435,19 @@ class Schedule:
         the speedup it expected of it (below 1 where speculation does not pay on this machine)."""
 
     @staticmethod
-    def _expected_length(memory: dict, max_new_tokens: int) -> float:
+    def _expected_length(memory: Learned, max_new_tokens: int) -> float:
         """The typical length of the pair's answers (a running mean, the last one folded in now), or
         DEFAULT_ANSWER_TOKENS before any, at most `max_new_tokens`."""
-        lengths = memory.setdefault("answer_tokens", [0.0, 0.0])
-        last = memory.pop("last_answer", None)
+        last, memory.last_answer = memory.last_answer, 0
         if last:
-            Mean.add(lengths, last)
-        return min(max_new_tokens, Mean.of(lengths) or DEFAULT_ANSWER_TOKENS)
+            Mean.add(memory.answer_tokens, last)
+        return min(max_new_tokens, Mean.of(memory.answer_tokens) or DEFAULT_ANSWER_TOKENS)
 
-    def _costs_now(self, costs: dict) -> tuple[float, dict[int, float], str]:
+    def _costs_now(self, costs: LoadCosts) -> tuple[float, dict[int, float], str]:
         """c and v(k) as the loop measured them in earlier answers of the pair (in this process or, kept in the cost
         cache, an earlier one), the load's where it has not; and which of the two c is."""
-        c, v = self.model.drafter_c(), self.model.verify_costs() or measured_v(costs)
-        return (costs["c"], v, "at load") if c is None else (c, v, "while decoding")
+        c, v = self.model.drafter_c(), self.model.verify_costs() or costs.v
+        return (costs.c, v, "at load") if c is None else (c, v, "while decoding")
 
     def _bound(self, pair) -> Bound | None:
         """What speculation can gain here at most (`speedup_bound`); modes that cannot pay are left out (tli when its
@@ -515,7 +465,7 @@ class Schedule:
         if speedup < 1:
             self._leave_out([m for m in self.modes if m.needs_drafter], speedup)
             return Bound(k, speedup, c, interpolate({1 + kk: vk for kk, vk in v.items()} | {1: 1.0}, k + 1), measured)
-        ceiling = costs.get("tli_ceiling")
+        ceiling = costs.tli_ceiling
         capped = speedup_bound(c, v, ceiling)[1] if ceiling is not None else 1.0
         if Algorithm.TLI in self.modes and capped < 1:
             self._leave_out([Algorithm.TLI], capped)
@@ -658,7 +608,7 @@ class Schedule:
         plain = self.per_token(PLAIN)  # before this round's times count: what plain decoding costs near it
         self.model.observe(r)
         self.emitted += r.emitted
-        self.model.memory["last_answer"] = self.emitted
+        self.model.memory.last_answer = self.emitted
         if not mode.plain and len(self.modes) > 1 and plain != float("inf"):
             excess = r.seconds + r.setup_s - r.emitted * plain
             self.net_s[mode] = max(-self.budget_s(), self.net_s.get(mode, 0.0) + excess)

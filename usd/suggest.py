@@ -358,7 +358,8 @@ def replay(target: Model, drafter: Model, ref: Reference, algorithm: str, k: int
     from dataclasses import replace
 
     from .decoder import Generation
-    from .pair import PairMemory, model_vocab_size
+    from .memory import PairMemory
+    from .pair import model_vocab_size
     from .sampling import SamplingParams, probabilities
     from .settings import GenerationSettings
 
