@@ -109,9 +109,9 @@ def test_the_cost_model_picks_the_k_the_formula_says():
     for _ in range(200):  # acceptance: 70% of tested positions
         model.observe(RoundRecord("tli", 0, 0, 0, verify_s=world.verify(1)))
     tested = 1 / (1 - ALPHA_DECAY)  # the weight of a long run of tested positions: the prior has faded
-    model.modes["tli"].hits = [0.7 * tested, tested]
-    model.modes["tli"].draft = [0.08, 1.0]
-    model.modes["tli"].other = [0.0, 1.0]
+    model.memory.modes["tli"].hits = [0.7 * tested, tested]
+    model.memory.modes["tli"].draft = [0.08, 1.0]
+    model.memory.modes["tli"].other = [0.0, 1.0]
     k, rate = model.best_k(Algorithm.TLI)
     assert (k, rate) == (best_by_formula(world, "tli")[0], pytest.approx(best_by_formula(world, "tli")[1]))
     assert model.expected_speedup(Algorithm.TLI, k) == pytest.approx(rate * world.verify(1))

@@ -183,7 +183,6 @@ class CostModel:
         """The costs timed at load (usd/costs.py), a prior only: each is used until the loop has measured its own."""
         self.step_at_load: float | None = prior.step_s if prior else None
         """The reference step until MIN_PLAIN_STEPS steps are measured."""
-        self.steps, self.verify, self.modes, self.feed = memory.steps, memory.verify, memory.modes, memory.feed
         self.bucket = length_bucket(0)
         """The cache length what the model is asked about is priced at (`at`)."""
         self._as_of: tuple[int, str] | None = None
@@ -204,8 +203,9 @@ class CostModel:
         return self._lengths()[0]
 
     def _step(self, bucket: str) -> float | None:
-        enough = [b for b, xs in self.steps.items() if len(xs) >= MIN_PLAIN_STEPS]
-        steps = self.steps.get(bucket, []) if bucket in enough or not enough else self.steps[_nearest(enough, bucket)]
+        known = self.memory.steps
+        enough = [b for b, xs in known.items() if len(xs) >= MIN_PLAIN_STEPS]
+        steps = known.get(bucket, []) if bucket in enough or not enough else known[_nearest(enough, bucket)]
         return reference_step(steps, median, self.step_at_load)
 
     def observe(self, r: RoundRecord) -> None:
@@ -215,12 +215,12 @@ class CostModel:
         self.memory.observed += 1
         fed = r.positions_fed
         if fed == 1:
-            _keep_last(self.steps.setdefault(bucket, []), r.verify_s)
+            _keep_last(self.memory.steps.setdefault(bucket, []), r.verify_s)
         elif fed:
-            cells = self.verify.setdefault(bucket, {}).setdefault(str(fed), [])
+            cells = self.memory.verify.setdefault(bucket, {}).setdefault(str(fed), [])
             _keep_last(cells, [r.verify_s, r.verify_s / step if step else None])
         if r.setup_tokens and step:
-            Mean.add(self.feed, r.setup_s / r.setup_tokens / step)
+            Mean.add(self.memory.feed, r.setup_s / r.setup_tokens / step)
         m = self.memory.mode(r.algorithm)
         m.rounds += 1
         # a draft with no model steps (a lookup) is priced as the round's other work: it costs what it took
@@ -234,7 +234,7 @@ class CostModel:
 
     def _stats(self, mode: Algorithm) -> ModeStats:
         """The mode's measurements, empty where it has none (not kept: a mode asked about is not one observed)."""
-        return self.modes.get(mode) or ModeStats()
+        return self.memory.modes.get(mode) or ModeStats()
 
     def rounds(self, mode: Algorithm) -> int:
         return self._stats(mode).rounds
@@ -292,10 +292,11 @@ class CostModel:
 
     def _cells(self) -> dict[str, list]:
         """The verifies measured at this cache length, or at the nearest length where any were."""
-        measured = [b for b, by_n in self.verify.items() if any(by_n.values())]
+        verify = self.memory.verify
+        measured = [b for b, by_n in verify.items() if any(by_n.values())]
         if not measured:
             return {}
-        return self.verify[self.bucket if self.bucket in measured else _nearest(measured, self.bucket)]
+        return verify[self.bucket if self.bucket in measured else _nearest(measured, self.bucket)]
 
     def _ratios(self) -> dict[int, float]:
         ratios = {int(n): median([r for _, r in cells if r is not None]) for n, cells in self._cells().items()}
@@ -320,7 +321,7 @@ class CostModel:
     def catch_up(self, pending: int) -> float:
         """Seconds the drafter takes to feed the `pending` positions it lacks before it drafts (none up to
         CATCH_UP_MIN, which its first step feeds): per position as the loop measured it, else as timed at load."""
-        rate, step = Mean.of(self.feed) or (self.prior.feed if self.prior else None), self.step()
+        rate, step = Mean.of(self.memory.feed) or (self.prior.feed if self.prior else None), self.step()
         return (pending - 1) * rate * step if pending > CATCH_UP_MIN and rate and step else 0.0
 
     def round_cost(self, mode: Algorithm, k: int, pending: int = 0) -> float | None:

@@ -134,7 +134,7 @@ class LlamaCppModel:
         process on the first twin, its rows are not the same bits in every batch (no twins then)."""
         global _twin_checked
         try:
-            twin = Twin(self.lib, self.path, model_params, self._new_cache)
+            twin = Twin(self, model_params)
         except RuntimeError as e:
             amx_prefill_off(f"a second copy of the weights for the AMX tiles did not load ({e})")
             return None
@@ -170,10 +170,7 @@ class LlamaCppModel:
     def close(self) -> None:
         self._finalizer()
 
-    def _new_cache(self, twin_model=None) -> LlamaCache:
-        """A cache of this model, whose prefill calls its twin computes, or one of `twin_model`, the twin's own."""
-        if twin_model is not None:
-            return LlamaCache(self, twin_model)
+    def _new_cache(self) -> LlamaCache:
         return LlamaCache(self, self._model, self.twin)
 
     def forget(self) -> None:

@@ -18,13 +18,11 @@ from __future__ import annotations
 
 import ctypes
 import threading
-from collections.abc import Callable
-from pathlib import Path
 
 import numpy as np
 
 from .binding import amx_weights, last_errors
-from .cache import LlamaCache
+from .cache import CacheOwner, LlamaCache
 
 CHECK_ROWS = 8
 """Rows the load check compares, one call against single steps, after as many positions again."""
@@ -33,16 +31,17 @@ CHECK_ROWS = 8
 class Twin:
     """The twin's model and its one context, shared by the model's caches, one call at a time."""
 
-    def __init__(self, lib, path: Path, model_params, new_cache: Callable[[object], LlamaCache]):
-        """The GGUF at `path` loaded again with its weights in the AMX buffer, and a context for it by `new_cache`
-        (the main model's settings). The caller frees `model`, after the context."""
+    def __init__(self, owner: CacheOwner, model_params):
+        """The owner's GGUF loaded again with its weights in the AMX buffer, and a context for it with the owner's
+        settings. The owner frees `model`, after the context."""
+        lib, path = owner.lib, owner.path
         self._lib = lib
         with amx_weights():
             self.model = lib.llama_model_load_from_file(str(path).encode(), model_params)
         if not self.model:
             raise RuntimeError(f"llama.cpp could not load a second copy of {path.name}{last_errors()}")
         try:
-            self.cache = new_cache(self.model)
+            self.cache = LlamaCache(owner, self.model)
         except Exception:  # the caller has not taken the model yet: nothing else would free it
             lib.llama_model_free(self.model)
             raise
