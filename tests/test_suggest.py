@@ -24,6 +24,7 @@ import usd
 from usd import suggest
 from usd.algorithms import Algorithm
 from usd.datasets import Prompt
+from usd.runners import OwnRunner
 from usd.runners.transformers import Context
 from usd.suggest import Acceptance, Measured, Model
 
@@ -117,17 +118,17 @@ def test_ranking_measures_tiny_drafters_and_puts_the_one_that_cannot_draft_last(
     assert "| no-vocab |" in suggest.format_table(report)
 
 
-class ContextOnly:
-    """A model as the llama.cpp runner (precision gguf) presents one, `usd/runners/llamacpp`'s LlamaCppModel:
-    `new_context`, a config with vocab_size and max_position_embeddings, device, dtype and generation_config, and
-    nothing of the transformers model API (no forward call, parameters or output embeddings), so whatever reaches for
-    those fails."""
+class ContextOnly(OwnRunner):
+    """A model as the llama.cpp runner (precision gguf) presents one, `usd/runners/llamacpp`'s LlamaCppModel: its
+    own runner (`new_context`), a config with vocab_size and max_position_embeddings, device, dtype and
+    generation_config, and nothing of the transformers model API (no forward call, parameters or output embeddings),
+    so whatever reaches for those fails."""
 
     def __init__(self, model):
         self._model = model
         vocab = model.get_output_embeddings().weight.shape[0]
         n_ctx = model.config.max_position_embeddings
-        self.config = SimpleNamespace(vocab_size=vocab, max_position_embeddings=n_ctx, model_type="gguf")
+        self.config = SimpleNamespace(vocab_size=vocab, max_position_embeddings=n_ctx)
         self.device, self.dtype = torch.device("cpu"), torch.float32
         self.generation_config = model.generation_config
 

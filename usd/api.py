@@ -23,7 +23,7 @@ from . import chat, costs, decoder, numerics, suffix
 from .catalog import Catalog, Precision, load_catalog
 from .events import Finished, Round
 from .loading import entry_for, load_model
-from .pair import Pair
+from .pair import Pair, model_context_length
 from .settings import GenerationSettings
 from .store import cache_dir
 
@@ -55,7 +55,7 @@ def load_pair(
             catalog=catalog,
             log=log,
         )
-    limits = [n for n in (getattr(t.model.config, "max_position_embeddings", None), t_entry.context_length) if n]
+    limits = [n for n in (model_context_length(t.model), t_entry.context_length) if n]
     pair = Pair(
         t.model,
         t.tokenizer,

@@ -55,10 +55,24 @@ def cpu_threads() -> int:
         return max(1, os.cpu_count() or 1)
 
 
+class OwnRunner:
+    """A model that opens its own decoding contexts (the llama.cpp runner's `LlamaCppModel`): it declares itself so
+    by inheriting this, and implements `Runner` itself. Known by its class, so that no model is probed for
+    attributes (a stand-in that fails on any attribute stays untouched)."""
+
+    def new_context(self, ids: list[int]) -> DecodingContext:
+        raise NotImplementedError
+
+    def forget(self) -> None:
+        raise NotImplementedError
+
+    def cpu_threads(self) -> int | None:
+        raise NotImplementedError
+
+
 def is_own_runner(model) -> bool:
-    """Whether the model opens its own decoding contexts (the llama.cpp runner's `LlamaCppModel`). Asked of its
-    class, so that a model is not probed at all (a stand-in that fails on any attribute stays untouched)."""
-    return callable(getattr(type(model), "new_context", None))
+    """Whether the model is its own runner (`OwnRunner`)."""
+    return isinstance(model, OwnRunner)
 
 
 def runner_for(model) -> Runner:

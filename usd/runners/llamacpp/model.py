@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .. import cpu_threads
+from .. import OwnRunner, cpu_threads
 from .binding import (
     GGML_TYPE_BF16,
     GGML_TYPE_F16,
@@ -45,13 +45,9 @@ class GGUFConfig:
     """The llama.cpp context's size (n_ctx): the most positions this runner takes."""
     vocab_size: int
     n_ctx_train: int
-    model_type: str = "gguf"
-
-    def get_text_config(self, *args, **kwargs):
-        return self
 
 
-class LlamaCppModel:
+class LlamaCppModel(OwnRunner):
     """A GGUF loaded by llama.cpp; it is its own runner (`new_context`)."""
 
     device = torch.device("cpu")
