@@ -637,3 +637,30 @@ def test_a_lookup_s_own_gains_pay_for_its_miss_after_the_other_lookup_spent_the_
     assert k > 0, "the lookup that gained was shut out by the other's losses"
     assert s._excess(ngram, k) <= 0.8 * budget, "it may lose no more than it gained"
     assert s._fit(suffix) == 0, "ngram's gain paid for suffix's probes"
+
+
+@pytest.mark.parametrize("kept", [(2, 2), (None, 0)], ids=["two-then-two", "all-then-none"])
+def test_a_lookup_right_in_this_answer_goes_on_after_a_miss_that_spent_more_than_its_gain_and_the_budget(kept):
+    """An answer that copies: the lookup's first two rounds keep two candidates each (the copied span ends inside the
+    second's draft), or the first keeps its whole draft and the next none of a long one; then the answer copies again.
+    Most of its tested candidates were right, so the lookup goes on, at a length this answer's acceptance expects to
+    gain. On a rule that judged a lookup by whether its latest rounds saved time, the second round drafted 16 tokens,
+    lost more than the first gained and more than the probing budget, and ended the lookup for the rest of the answer
+    (the edits set's HumanEval/1 on a 2-core EPYC: 84 plain rounds after one miss, 1.37x the time of ngram alone);
+    on one that dropped a mode whose rounds in the answer lost more than the budget, the second pattern did."""
+    world = World(**{**STEEP_ROWS, "alpha": {"ngram": 0.99}}, rng=random.Random(4))
+    pair = costed_pair(0.28, {1: 1.53, 2: 1.81, 4: 2.39})
+    pair.drafter = None
+    for _ in range(3):  # answers that copied: the lookup is judged to pay, and drafts long
+        world.answer(pair, 48)
+    s, ngram, rounds = Schedule(pair, AUTO, "auto", lookup=True, answer_tokens=128), Algorithm.NGRAM, []
+    before = world.spent
+    while s.emitted < 128:
+        mode, k = s.next({ngram})
+        n = 0 if mode.plain else k if len(rounds) >= 2 or kept[len(rounds)] is None else min(k, kept[len(rounds)])
+        s.observe(RoundRecord(mode, k, k, n, verify_s=world.verify(k + 1)))
+        world.spent += world.verify(k + 1)
+        if not mode.plain:
+            rounds.append(k)
+    assert len(rounds) > 10, "the lookup stopped after one miss"
+    assert world.spent - before < 0.7 * s.emitted * world.verify(1)

@@ -65,8 +65,8 @@ PROBE_BUDGET_MAX = 1024
 PROBE_SHARE = 0.02
 """The most of an answer's expected time (its max new tokens at plain decoding's speed, or the tokens so far where
 more) that auto lets speculation lose in it: a round that might lose (a source not yet judged, or judged to lose, or
-a lookup that has not yet gained in this answer) runs only while its worst case, added to what speculative rounds
-lost in this answer so far (`Schedule.lost_s`: a mode's gains pay for its own misses), stays within it."""
+a lookup not yet judged by its acceptance in this answer) runs only while its worst case, added to what speculative
+rounds lost in this answer so far (`Schedule.lost_s`: a mode's gains pay for its own misses), stays within it."""
 DEFAULT_ANSWER_TOKENS = 128
 """The answer length the probing budget assumes before the pair has given any answer (then: the typical length of
 its answers so far, never more than the max new tokens asked for)."""
@@ -418,6 +418,8 @@ class Schedule:
         self.realised: dict[str, list[float]] = {}
         """This answer's rounds of each speculating mode: [their seconds, what plain decoding, measured near each,
         would have taken for their tokens, how many]."""
+        self.tested_here: dict[Algorithm, tuple[int, int]] = {}
+        """Per speculating mode, (accepted, tested) over the candidates its rounds in this answer drafted."""
         self.dropped: set[str] = set()
         """Modes that realised less than plain decoding in this answer: not run again in it."""
         self.left_out: dict[Algorithm, float] = {}
@@ -545,17 +547,29 @@ class Schedule:
     def _excess(self, mode: Algorithm, k: int) -> float | None:
         """What a round of (mode, k) would take beyond plain decoding of the tokens it emits, the drafter's catching
         up included: as expected where the mode is judged, in its worst case (no draft kept) where it is not yet. A
-        lookup is judged in each answer afresh, by its rounds there: whether it is right depends on whether this
-        answer repeats earlier text, which its acceptance in other answers does not tell (an answer in another
-        language or script after many that copied code)."""
+        lookup is judged in each answer afresh, by its acceptance there (`alpha_here`): whether it is right depends on
+        whether this answer repeats earlier text, which its acceptance in other answers does not tell (an answer in
+        another language or script after many that copied code)."""
         plain, cost = self.per_token(PLAIN), self.model.round_cost(mode, k, self.pending)
         if plain == float("inf") or cost is None:
             return None
-        alpha = self.model.alpha(mode)
-        judged = alpha is not None and self.model.rounds(mode) >= MIN_TRIES
         if mode.looks_up:
-            judged = judged and self._gained_here(mode)
-        return cost - (tau(alpha, k) if alpha is not None and judged else 1.0) * plain
+            alpha = self.alpha_here(mode)
+        else:
+            alpha = self.model.alpha(mode) if self.model.rounds(mode) >= MIN_TRIES else None
+        return cost - (tau(alpha, k) if alpha is not None else 1.0) * plain
+
+    def alpha_here(self, mode: Algorithm) -> float | None:
+        """The mode's acceptance in this answer, once it tested MIN_TRIES positions here: its tested positions, with
+        ALPHA_PRIOR_WEIGHT more at its acceptance in earlier answers (ALPHA_PRIOR before any). Its time in this
+        answer would not do: a copied span that ends inside a long draft makes one round lose several steps' worth
+        while the lookup stays right (the next span copies again); its acceptance says whether it is."""
+        hits, tested = self.tested_here.get(mode, (0, 0))
+        if tested < MIN_TRIES:
+            return None
+        earlier = self.model.alpha(mode)
+        prior = earlier if earlier is not None else ALPHA_PRIOR
+        return (hits + ALPHA_PRIOR_WEIGHT * prior) / (tested + ALPHA_PRIOR_WEIGHT)
 
     def _gained_here(self, mode: Algorithm) -> bool:
         """Whether the mode's latest rounds in this answer took less than plain decoding would have."""
@@ -564,15 +578,20 @@ class Schedule:
     def _fit(self, mode: Algorithm) -> int:
         """auto's draft length for `mode` this round: its k, or the longest shorter one whose round the probing
         budget allows (0: none). A round expected to gain may run, and one that may lose only while its excess fits
-        the mode's `_room`; once that is spent, only a mode whose latest rounds in this answer gained."""
+        the mode's `_room`. Once that is spent, a mode whose latest rounds in this answer gained goes on (the model may
+        lag a change), and a lookup only at a length that this answer's acceptance expects to gain: its rounds there
+        judge it, where a drafter model's acceptance over earlier answers might lag a change."""
         if mode.plain or mode in self.dropped:
             return 0
         room = self._room(mode)
-        if room <= 0:  # spent: only a mode whose latest rounds gained goes on (the model may lag a change)
-            return self.k_for(mode) if self._gained_here(mode) else 0
+        if room <= 0:
+            if self._gained_here(mode):
+                return self.k_for(mode)
+            if not mode.looks_up:
+                return 0
         for k in range(self.k_for(mode), 0, -1):
             excess = self._excess(mode, k)
-            if excess is None or excess <= room:
+            if excess <= max(room, 0.0) if excess is not None else room > 0:
                 return k
         return 0
 
@@ -610,6 +629,9 @@ class Schedule:
         self.model.observe(r)
         self.emitted += r.emitted
         self.model.memory.last_answer = self.emitted
+        if not mode.plain:
+            hits, tested = self.tested_here.get(mode, (0, 0))
+            self.tested_here[mode] = (hits + r.accepted, tested + tested_positions(r.accepted, r.drafted))
         if not mode.plain and len(self.modes) > 1 and plain != float("inf"):
             excess = r.seconds + r.setup_s - r.emitted * plain
             self.net_s[mode] = max(-self.budget_s(), self.net_s.get(mode, 0.0) + excess)
@@ -633,14 +655,23 @@ class Schedule:
     def _check_realised(self, mode: Algorithm, seconds: float, emitted: int, plain_per_token: float) -> None:
         """Drop `mode` from the rest of this answer once its rounds here took longer than plain decoding would have
         for the same tokens (plain decoding's speed measured near them), over REALISED_ROUNDS rounds or by more than
-        the whole probing budget, whatever the model predicted."""
+        the whole probing budget (unless it is a lookup still right here, `_right_here`), whatever the model
+        predicted."""
         cell = self.realised.setdefault(mode, [0.0, 0.0, 0])
         cell[0] += seconds
         cell[1] += emitted * plain_per_token
         cell[2] += 1
         lost = cell[0] - cell[1]
-        if (cell[2] >= REALISED_ROUNDS and lost > 0) or lost > self.budget_s():
+        if (cell[2] >= REALISED_ROUNDS and lost > 0) or (lost > self.budget_s() and not self._right_here(mode)):
             self.dropped.add(mode)
+
+    def _right_here(self, mode: Algorithm) -> bool:
+        """A lookup whose acceptance in this answer expects one of its rounds to gain: one long draft that missed
+        after rounds that copied is no evidence that it stopped being right (its next rounds are shorter)."""
+        if not mode.looks_up:
+            return False
+        excess = (self._excess(mode, k) for k in range(1, self.k_for(mode) + 1))
+        return any(e is not None and e <= 0 for e in excess)
 
     def realised_speedup(self, mode: Algorithm) -> float | None:
         """What the mode's rounds in this answer achieved against plain decoding measured near them."""
