@@ -340,12 +340,13 @@ class CostModel:
         catch_up = self.catch_up(pending) if mode.needs_drafter else 0.0
         return k * self.draft_step(mode) + verify + other + catch_up
 
-    def rate(self, mode: Algorithm, k: int) -> float | None:
-        """Expected emitted tokens per second of (mode, k) once the drafter is in step; plain decoding's k is 0."""
+    def rate(self, mode: Algorithm, k: int, alpha: float | None = None) -> float | None:
+        """Expected emitted tokens per second of (mode, k) once the drafter is in step, at the mode's acceptance (or
+        `alpha`); plain decoding's k is 0."""
         if mode.plain:
             cost = self.round_cost(mode, 0)
             return 1.0 / cost if cost else None
-        alpha, cost = self.alpha(mode), self.round_cost(mode, k)
+        alpha, cost = alpha if alpha is not None else self.alpha(mode), self.round_cost(mode, k)
         return tau(alpha, k) / cost if alpha is not None and cost else None
 
     def best_k(self, mode: Algorithm, k_max: int = K_MAX) -> tuple[int, float | None]:
@@ -354,8 +355,12 @@ class CostModel:
             self._best_k[(mode, k_max)] = self._best_of(mode, k_max)
         return self._best_k[(mode, k_max)]
 
-    def _best_of(self, mode: Algorithm, k_max: int) -> tuple[int, float | None]:
-        rates = [(self.rate(mode, k), k) for k in range(1, k_max + 1)]
+    def best_k_at(self, mode: Algorithm, alpha: float, k_max: int) -> int:
+        """The best k of a mode at the acceptance `alpha` (a lookup's in the current answer)."""
+        return self._best_of(mode, k_max, alpha)[0]
+
+    def _best_of(self, mode: Algorithm, k_max: int, alpha: float | None = None) -> tuple[int, float | None]:
+        rates = [(self.rate(mode, k, alpha), k) for k in range(1, k_max + 1)]
         known = [(r, k) for r, k in rates if r is not None]
         if not known:
             return K_START, None
@@ -495,6 +500,9 @@ class Schedule:
             return 0
         if self.k_fixed is not None:
             return self.k_fixed
+        here = self.alpha_here(mode) if mode.looks_up and self.algorithm.chooses else None
+        if here is not None:  # auto's lookup, judged by its acceptance in this answer: the k it pays most at
+            return self.model.best_k_at(mode, here, k_max_of(mode))
         if self.model.rounds(mode) >= MIN_TRIES:
             return self.model.best_k(mode, k_max_of(mode))[0]
         return self.start_k.get(mode, K_START)
