@@ -31,7 +31,7 @@ def pair():
 def test_measured_once_then_read_from_the_cache(pair, tmp_path, monkeypatch):
     monkeypatch.setattr(costs, "busy", lambda: False)
     first = costs.costs_for(pair, tmp_path, log=lambda *_: None)
-    assert first.step_s > 0 and first.c > 0 and set(first.v) == {1, 2, 4}
+    assert first.step_s > 0 and first.c > 0 and set(first.v) == {1, 2, 4, 8, 16}
     assert (tmp_path / costs.CACHE_FILE).is_file()
 
     def no_measuring(_):

@@ -632,6 +632,7 @@ def test_a_lookup_s_own_gains_pay_for_its_miss_after_the_other_lookup_spent_the_
     world.run(s, 3)
     ngram, suffix, budget = Algorithm.NGRAM, Algorithm.SUFFIX, s.budget_s()
     s.net_s = {suffix: budget, ngram: -0.8 * budget}
+    s.tested_here[suffix], s.recent[suffix] = (0, MIN_TRIES), [0.5, 1.0]  # its probes here kept nothing, and lost
     s.recent[ngram] = [0.5, 1.0]  # its latest rounds, the miss weighing most, took longer than plain decoding
     k = s._fit(ngram)
     assert k > 0, "the lookup that gained was shut out by the other's losses"
@@ -683,3 +684,23 @@ def test_a_lookup_new_to_the_pair_drafts_the_length_its_acceptance_in_the_answer
     here = s.alpha_here(ngram)
     assert mode == ngram and here is not None and k == s.model.best_k_at(ngram, here, 16) < 10
     assert s.expected_speedup > 1
+
+
+def test_a_lookup_that_lost_in_earlier_answers_is_tried_early_in_one_that_repeats_them():
+    """The suffix drafter found matches in earlier answers but none was right, so the pair's memory judges it to lose
+    and its probes wait long; then an answer repeats an earlier one. Whether it does is found out only by trying, so
+    auto tries the lookup within the answer's first rounds (within its budget) and, right here, copies with it (on a
+    rule that judged a lookup new to the answer by the pair's memory, it waited for its next probe: the third answer
+    of one prompt in a chat on a 2-core EPYC, copied first at round 90 of 122)."""
+    world = World(**{**STEEP_ROWS, "alpha": {"suffix": 0.0}}, rng=random.Random(5))
+    pair = costed_pair(0.28, {1: 1.53, 2: 1.81, 4: 2.39})
+    pair.drafter = None
+    for _ in range(3):  # answers where the lookup was never right
+        world.answer(pair, 64)
+    suffix = Algorithm.SUFFIX
+    s = Schedule(pair, AUTO, "auto", lookup=True, answer_tokens=128)
+    assert s.model.rounds(suffix) >= MIN_TRIES and s.per_token(suffix) > s.per_token(Algorithm.NONE)
+    world.alpha = {"suffix": 0.97}
+    chosen = [m for m, _ in world.run(s, 40)]
+    assert suffix in chosen[:6], "the lookup waited for its next probe"
+    assert chosen[20:].count(suffix) > 10, "the lookup right in this answer did not take over"

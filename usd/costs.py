@@ -4,9 +4,11 @@ per-machine cache, as cpu_kernels and static_cache keep their choices. From them
 can gain here (`schedule.speedup_bound`): where no draft length could pay even if every drafted token were accepted,
 it decodes plainly from the first round and never probes (docs/design.md §6).
 
-The lengths timed are a step and the verifies of k = 1, 2 and 4, interleaved, each the fastest of a few repeats
-(other work on a shared machine only ever adds time); the others are interpolated, and extrapolated along the last
-slope, as auto's cost model reads V(n).
+The lengths timed are a step and the verifies of k = 1, 2, 4, 8 and 16, interleaved, each the fastest of a few
+repeats (other work on a shared machine only ever adds time); the others are interpolated, as auto's cost model reads
+V(n). The long ones are timed, not extrapolated from the short: a lookup drafts up to 16 tokens, and with exact rows
+on a CPU a verify's cost per row past the first few is not its slope between two and four (extrapolated, a lookup's
+first 16-token draft was priced far below what it took).
 """
 
 from __future__ import annotations
@@ -27,9 +29,9 @@ from .runners.transformers.cpu_kernels import busy, cpu_name, read_choices, writ
 from .schedule import speedup_bound
 from .vocab import ceiling_of
 
-FED = (5, 3, 2)
-"""Positions a timed verify feeds besides the plain step (k = 4, 2, 1), longest first: a sliding-window cache can
-always crop what it just fed."""
+FED = (17, 9, 5, 3, 2)
+"""Positions a timed verify feeds besides the plain step (k = 16, 8, 4, 2, 1), longest first: a sliding-window cache
+can always crop what it just fed."""
 FEED = 32
 """Positions of the drafter's timed catch-up (a forward over what it lacks, as after plain rounds: `feed`)."""
 REPEATS = 2

@@ -500,7 +500,7 @@ class Schedule:
             return 0
         if self.k_fixed is not None:
             return self.k_fixed
-        here = self.alpha_here(mode) if mode.looks_up and self.algorithm.chooses else None
+        here = self._lookup_alpha(mode)
         if here is not None:  # auto's lookup, judged by its acceptance in this answer: the k it pays most at
             return self.model.best_k_at(mode, here, k_max_of(mode))
         if self.model.rounds(mode) >= MIN_TRIES:
@@ -509,8 +509,19 @@ class Schedule:
 
     def per_token(self, mode: Algorithm) -> float:
         """Expected seconds per emitted token of a mode at its best k (inf while it is unknown)."""
-        rate = self.model.rate(mode, self.k_for(mode))
+        rate = self.model.rate(mode, self.k_for(mode), self._lookup_alpha(mode))
         return 1.0 / rate if rate else float("inf")
+
+    def _lookup_alpha(self, mode: Algorithm) -> float | None:
+        """auto's lookup's acceptance in this answer, once judged there (`alpha_here`); None for the other modes."""
+        return self.alpha_here(mode) if mode.looks_up and self.algorithm.chooses else None
+
+    def _untried(self, mode: Algorithm) -> bool:
+        """Whether the mode still needs trials before it is judged: MIN_TRIES rounds on the pair, and for auto's
+        lookup also enough tested candidates in this answer (whether this answer repeats earlier text is found out
+        only by trying, within the budget)."""
+        untested = mode.looks_up and self.algorithm.chooses and self.alpha_here(mode) is None
+        return self.model.rounds(mode) < MIN_TRIES or untested
 
     def next(
         self, available: Collection[Algorithm] | None = None, pending: int = 0, context: int = 0
@@ -611,7 +622,7 @@ class Schedule:
 
     def _choose(self, modes: list[Algorithm]) -> Algorithm:
         modes = [m for m in modes if m.plain or self._fit(m) > 0]
-        untried = [m for m in modes if self.model.rounds(m) < MIN_TRIES]
+        untried = [m for m in modes if not m.plain and self._untried(m)]
         if untried:
             # in turn with plain steps, so that every trial is judged against plain steps measured next to it
             rotation = list(dict.fromkeys([*untried, *(m for m in modes if m.plain)]))
@@ -702,7 +713,7 @@ class Schedule:
             return Source(m, SourceState.NO_MATCH, expected)
         if self._fit(m) == 0:
             return Source(m, SourceState.BUDGET, expected)
-        if self.model.rounds(m) < MIN_TRIES:
+        if self._untried(m):
             return Source(m, SourceState.UNTRIED)
         return Source(m, SourceState.LOSES if expected is not None and expected < 1 else SourceState.SLOWER, expected)
 
