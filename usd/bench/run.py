@@ -379,8 +379,12 @@ def bench(
     first: dict[str, tuple[str, int | str | None]] = {}
     for a, kk in plan:
         first.setdefault(a, (a, kk))
+    learned = copy.deepcopy(pair.memory.schedule)
     for variant in first.values():  # not recorded: it repeats the opening of the first prompt, measured below
         one(prompts[0], variant, 8, params.seed, record=False)
+    # nor learned from: auto would take the warm-up's 8 tokens for the pair's typical answer, and size the first
+    # answers' probing budgets by it, where a user's first answer follows none
+    pair.memory.schedule = learned
     runs = []
     for i, prompt in enumerate(prompts):
         order = plan[i % len(plan) :] + plan[: i % len(plan)]
