@@ -55,11 +55,12 @@ def plain_greedy(pairs, prompt: str, n: int) -> str:
 def test_generate_streams_and_ends_with_the_targets_own_greedy_answer(app, client):
     _, pairs, _ = app
     # tli, not auto: auto remembers across answers that speculation does not pay on a CPU and may then not draft
-    # 48 tokens: a few seconds, so a few updates, at the once a second a pair decoding on every core gets
+    # The first update goes out at once (app/views.py, in_background): a streamed answer shows a strict prefix before
+    # its end, however fast this machine decodes 48 tokens
     job = client.submit(prompt=PROMPT, algorithm="tli", max_new_tokens=48, api_name="/generate")
     updates = list(job)
     text, pieces, stats = job.result()
-    assert len(updates) >= 3, "the answer must stream, round by round"
+    assert len(updates) >= 2 and len(updates[0][0]) < len(text), "the answer must stream"
     assert text == plain_greedy(pairs, PROMPT, 48)
     assert all(u[0] == text[: len(u[0])] for u in updates), "every update is a prefix of the answer"
     assert {p["kind"] for p in pieces} <= {"accepted", "rejected", "resampled", "bonus", "target"}
