@@ -125,6 +125,20 @@ def test_finished_stats_replace_the_running_estimate_and_a_baseline_gives_measur
     assert render.answer_text(live) == "final text"
 
 
+def test_without_a_plain_run_the_estimated_speedup_counts_the_prompt_plain_decoding_reads_too():
+    # 12 tokens at 0.1 s a plain step after the prompt's 0.8 s: plain decoding takes this answer's 2.0 s too
+    stats = Stats(
+        "auto", rounds=8, drafted=6, accepted=4, tokens=12, wall_s=2.0, stop_reason="max_tokens", c=0.3, v=1.2,
+        mean_k=2.0, rounds_by_algorithm={"none": 5, "tli": 3}, step_s=0.1, prompt_s=0.8,
+    )  # fmt: skip
+    live = render.Live(Algorithm.AUTO)
+    live.add(Finished("t", (1, 2), stats))
+    n = live.numbers()
+    assert n["speedup_basis"] == "estimated from the target's plain step"
+    assert n["measured_speedup"] == pytest.approx(1.0)
+    assert render.warning_text(n, Algorithm.AUTO) is None  # no loss, so no warning on a first answer's long prompt
+
+
 def test_warning_only_when_speculation_is_slower():
     slow = {"measured_speedup": 0.7, "c": 0.45, "acceptance_rate": 0.4}
     text = render.warning_text(slow, Algorithm.TLI)

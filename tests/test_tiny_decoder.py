@@ -183,6 +183,12 @@ def test_a_generation_times_a_plain_step_before_it_speculates(pairs):
     assert done.stats.c is not None and done.stats.v is not None
 
 
+def test_the_stats_hold_the_prompts_forward_inside_the_answers_wall_time(pairs):
+    """What plain decoding pays for this answer too (`Stats.plain_step_speedup`)."""
+    _, done = run(pairs["byte-level"], PROMPTS[0], algorithm="tli", k=3, max_new_tokens=10)
+    assert 0 < done.stats.prompt_s < done.stats.wall_s
+
+
 def test_round_0_is_neither_a_step_nor_a_verify_of_its_k_in_the_stats():
     """Round 0 feeds one position less than its kind (the prompt's last came with the prompt): a plain one nothing, a
     drafting one only its drafts. Counted, it would make the step look free and c and v huge."""

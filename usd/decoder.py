@@ -222,7 +222,9 @@ class Generation:
             m: start_source(m, self.start) for m in self.schedule.weighed if not m.plain
         }
         """Each mode's source of drafts for this answer (the drafter model's modes share its state)."""
+        t0 = time.perf_counter()
         _prefill(self.target)
+        self.tally.prompt_s = time.perf_counter() - t0
 
     def finish(self) -> None:
         """Leave the target's context holding exactly what plain decoding would have fed: the prompt and the answer

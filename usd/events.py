@@ -170,6 +170,8 @@ class Stats:
     step_s: float | None = None
     """The target's plain step in seconds, the unit of c and v: the mean of this answer's, or the step timed at load
     while the answer has fewer than tally.MIN_PLAIN_STEPS (None until either is known)."""
+    prompt_s: float = 0.0
+    """Seconds of the target's forward over the prompt, which plain decoding pays as well (part of wall_s)."""
     unreported: tuple[str, ...] = ()
     """What the generation's source did not report, as the UI's stats keys (acceptance_rate, c, ...): a third-party
     server behind the app reports few of the engine's numbers, and a number it did not send is no zero."""
@@ -188,12 +190,12 @@ class Stats:
 
     @property
     def plain_step_speedup(self) -> float | None:
-        """This answer's tokens/s over plain decoding's, as the plain steps inside it measured that (one token per
-        `step_s`): the speedup estimate where no plain run compares. None without a plain step, or without a
-        speculative round."""
+        """Plain decoding's time for this answer over this answer's, plain decoding's as the plain steps inside it
+        measured that (the prompt's forward, then one token per `step_s`): the speedup estimate where no plain run
+        compares. None without a plain step, or without a speculative round."""
         plain = self.rounds_by_algorithm.get(PLAIN.value, 0)
-        if self.step_s and self.rounds > plain and self.tokens_per_s:
-            return self.tokens_per_s * self.step_s
+        if self.step_s and self.rounds > plain and self.tokens and self.wall_s > 0:
+            return (self.prompt_s + self.tokens * self.step_s) / self.wall_s
         return None
 
     @property
@@ -236,6 +238,7 @@ class Stats:
             "overhead_share": self.overhead_share,
             "drafting_stopped": self.drafting_stopped,
             "step_s": self.step_s,
+            "prompt_s": self.prompt_s,
         }
 
 

@@ -42,6 +42,8 @@ class Tally:
         """Plain target steps: the unit of c and v."""
         self.verify_s: list[float] = []
         self.draft_step_s: list[float] = []
+        self.prompt_s = 0.0
+        """The target's forward over the prompt (set by the decode loop)."""
 
     def record(self, r: RoundRecord) -> None:
         self.rounds += 1
@@ -80,4 +82,5 @@ class Tally:
             forward_s=forward_s,
             drafting_stopped=drafting_stopped,
             step_s=step,
+            prompt_s=self.prompt_s,
         )

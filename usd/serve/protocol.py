@@ -349,6 +349,7 @@ def stats_from_speculative(s: dict) -> Stats:
         forward_s=s.get("forward_s") or 0.0,
         drafting_stopped=s.get("drafting_stopped"),
         step_s=s.get("step_s"),
+        prompt_s=s.get("prompt_s") or 0.0,
     )
 
 
