@@ -143,9 +143,19 @@ class Pairs:
             # Dropping the last reference frees the old models; a generation still running on them keeps its own
             # reference, finishes, and then lets go.
             self.pair, self.loaded = new, choice
+            self._know_overlap(t, d, new)
             del new
             _free_memory()
             return self.pair
+
+    def _know_overlap(self, t: ModelEntry, d: ModelEntry | None, pair) -> None:
+        """The loaded pair's overlap line from its own tokenizers and alignment, worked out now: the page asks for it
+        as it opens, and reading two tokenizers again then took the cores from the first answer."""
+        if d is None:
+            return
+        tt, dt = pair.target_tokenizer, pair.drafter_tokenizer
+        self._tokenizers[t.name], self._tokenizers[d.name] = tt, dt
+        self._overlaps[(t.name, d.name)] = overlap_numbers(tt, dt, pair.overlap())
 
     def current(self):
         if self.pair is None:
@@ -187,10 +197,11 @@ def _free_memory() -> None:
         torch.cuda.empty_cache()
 
 
-def overlap_numbers(target_tokenizer, drafter_tokenizer) -> dict:
-    """`usd overlap`'s numbers, alpha ceiling included, and whether the two tokenizers are one."""
+def overlap_numbers(target_tokenizer, drafter_tokenizer, overlap=None) -> dict:
+    """`usd overlap`'s numbers, alpha ceiling included, and whether the two tokenizers are one (`overlap`: the two
+    aligned already)."""
     from usd.vocab import overlap_report, same_vocabulary
 
-    report = overlap_report(target_tokenizer, drafter_tokenizer)
+    report = overlap_report(target_tokenizer, drafter_tokenizer, overlap=overlap)
     report["same_tokenizer"] = same_vocabulary(target_tokenizer, drafter_tokenizer)
     return report

@@ -72,6 +72,18 @@ def test_generate_streams_and_ends_with_the_targets_own_greedy_answer(app, clien
     assert stats["tokens"] == 48 and stats["stop_reason"] == "max_tokens"
 
 
+def test_the_loaded_pairs_preview_reads_neither_tokenizer_nor_alignment_again(app, monkeypatch):
+    # the page asks for it as it opens, next to the first answer: worked out at load from what the pair holds
+    from app import pairs as app_pairs
+
+    _, pairs, _ = app
+    if pairs.loaded.drafter == app_pairs.NO_DRAFTER:
+        pytest.skip("the loaded pair has no drafter: no overlap line")
+    monkeypatch.setattr(app_pairs, "load_tokenizer", lambda *a: pytest.fail("a tokenizer read again"))
+    monkeypatch.setattr(app_pairs, "overlap_numbers", lambda *a, **k: pytest.fail("the vocabularies aligned again"))
+    assert "shared tokens" in pairs.preview(pairs.loaded.target, pairs.loaded.drafter)
+
+
 def test_compare_reports_identical_greedy_outputs(client):
     plain, speculative, summary = client.predict(
         prompt=PROMPT, algorithm="slem", draft_tokens="4", temperature=0, max_new_tokens=24, api_name="/compare"

@@ -67,8 +67,10 @@ def load_pair(
         target_runner=t.runner,
         drafter_runner=d.runner if d else None,
     )
-    # the target's vocabulary read now, not in a server's first request: reading it holds the interpreter a second
+    # the target's vocabulary read now, not in a server's first request or a chat's first answer: reading it holds
+    # the interpreter a second
     _token_limits(pair)
+    pair.tokenizer_key  # noqa: B018 (what the suffix source's memory is kept under, computed once)
     if d:  # what auto's bound needs before its first round (usd/costs.py)
         pair.memory.costs = costs.costs_for(pair, cache_dir(), log)
         costs.restore_learned(pair, cache_dir())

@@ -10,7 +10,7 @@ import torch
 
 from .memory import PairMemory
 from .runners import Runner, cpu_threads, runner_for
-from .vocab import TokenizerBytes, align, fingerprint, same_vocabulary, tokenizer_bytes
+from .vocab import Overlap, TokenizerBytes, align, fingerprint, same_vocabulary, tokenizer_bytes
 
 
 def bytes_of(tb: TokenizerBytes, i: int) -> bytes:
@@ -99,6 +99,13 @@ class Pair:
             self._cache["db"] = tokenizer_bytes(self.drafter_tokenizer)
         return self._cache["db"]
 
+    def overlap(self) -> Overlap:
+        """The two vocabularies aligned, once per pair (a second or so for 150k tokens): what tli's map and the Pair
+        tab's overlap line are made of."""
+        if "overlap" not in self._cache:
+            self._cache["overlap"] = align(self.target_tokenizer, self.drafter_tokenizer)
+        return self._cache["overlap"]
+
     def intersection(self):
         """TLI's shared vocabulary I, built once per pair: (drafter ids in I, the target id of each, the target's
         vocabulary size). Several drafter ids may map to one target id."""
@@ -108,7 +115,7 @@ class Pair:
                 d_ids = list(range(min(vocab_t, vocab_d)))
                 t_ids = d_ids
             else:
-                d2t = align(self.target_tokenizer, self.drafter_tokenizer).drafter_to_target
+                d2t = self.overlap().drafter_to_target
                 pairs = [(d, t) for d, t in d2t.items() if d < vocab_d and t < vocab_t]  # in id order: align's
                 d_ids, t_ids = [d for d, _ in pairs], [t for _, t in pairs]
             self._cache["map"] = (torch.tensor(d_ids, dtype=torch.long), torch.tensor(t_ids, dtype=torch.long), vocab_t)
