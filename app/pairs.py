@@ -140,10 +140,10 @@ class Pairs:
                 precision=self.precision,
                 log=log,
             )
+            self._know_overlap(t, d, new)  # before the switch: should it fail, the previous pair stays
             # Dropping the last reference frees the old models; a generation still running on them keeps its own
             # reference, finishes, and then lets go.
             self.pair, self.loaded = new, choice
-            self._know_overlap(t, d, new)
             del new
             _free_memory()
             return self.pair
