@@ -24,9 +24,8 @@ llama.cpp's CPU backend picks kernels by batch size, and some sum in another ord
   to binding.EXACT_ROWS rows gives each row the bits of the one-row kernels: the tiled and llamafile matmuls are left
   out at those sizes, repacked Q4_K weights take a gemv that unpacks each interleaved block once for all the rows (on
   AVX-512, two column groups a vector), Q6_K a vec_dot that does the same (on AVX-512, two of its steps a
-  vector), other types vec_dot row by row. Then a
-  row batch is up to EXACT_ROWS rows whatever the layout, and the prefill kernels begin above it
-  (`Batching.for_weights`). The first model a process loads checks it
+  vector), other types vec_dot row by row. Then a row batch is up to EXACT_ROWS rows whatever the layout, and the
+  prefill kernels begin above it (`Batching.for_weights`). The first model a process loads checks it
   (`model.LlamaCppModel._check_rows`); rows that differ put the process back on the rule above, and the load line
   says so.
 - Where the CPU has AMX, a model's twin (twin.py) computes every call on the prefill kernels on its AMX tiles, whose
