@@ -7,7 +7,7 @@ thread of a fresh process, as the app decodes, for each algorithm, repeated.
 
 The app runs as a user starts it (`python -m app`, the default pair unless --target/--drafter), on this machine, and
 the browser renders on the same cores. The first chat after the app starts is an `auto` answer (the first answer of
-a freshly loaded pair, reported on its own row); then, per repeat, every algorithm once in the browser, once through
+a freshly loaded pair, reported on its own row; --first names another algorithm for it); then, per repeat, every algorithm once in the browser, once through
 `usd generate` and once on a worker thread (fresh processes: their `auto` is always a first answer after a load), the
 order of the algorithms alternating from repeat to repeat. Besides the speeds it records the CPU seconds the app's
 process and the browser's processes spent per browser answer, and the load average. With --py-spy, each browser
@@ -295,7 +295,7 @@ def table(results: dict, algorithms: list[str]) -> str:
     first = results.get("first")
     if first:
         lines.append(
-            f"| auto, the first answer after start | {first['tokens_per_s']:.1f} | | | | | {first['app_cpu_s']:.1f} | "
+            f"| {first['algorithm']}, the first answer after start | {first['tokens_per_s']:.1f} | | | | | {first['app_cpu_s']:.1f} | "
             f"{first['browser_cpu_s']:.1f} |"
         )
     for algorithm in algorithms:
@@ -324,7 +324,8 @@ def main() -> int:
     ap.add_argument("--prompt", default=PROMPT)
     ap.add_argument("--target")
     ap.add_argument("--drafter")
-    ap.add_argument("--no-first", action="store_true", help="skip the first auto answer after start")
+    ap.add_argument("--first", default="auto", help="the algorithm of the first answer after start (default auto)")
+    ap.add_argument("--no-first", action="store_true", help="skip the first answer after start")
     ap.add_argument("--app-threads", type=int, help="llama.cpp threads in the app (default: one per core)")
     ap.add_argument("--py-spy", help="path to py-spy: sample the app during each browser answer")
     ap.add_argument("--profile-dir", default="/tmp/usd-browser-profile")
@@ -349,8 +350,9 @@ def main() -> int:
         with sync_playwright() as p:
             page = Page(p, f"http://127.0.0.1:{port}/", args.tokens)
             if not args.no_first:
-                results["first"] = browser_answer(page, app, "auto", args, "first-auto")
-                print(f"first auto answer after start: {results['first']['tokens_per_s']:.1f} tok/s", flush=True)
+                results["first"] = browser_answer(page, app, args.first, args, f"first-{args.first}")
+                results["first"]["algorithm"] = args.first
+                print(f"first {args.first} answer after start: {results['first']['tokens_per_s']:.1f} tok/s", flush=True)
             for i in range(args.repeats):
                 order = args.algorithms if i % 2 == 0 else args.algorithms[::-1]
                 for algorithm in order:
