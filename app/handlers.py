@@ -33,6 +33,9 @@ DEFAULT = GenerationSettings()
 """The settings' defaults, for the widgets and the API endpoints' signatures."""
 MODELS = "models"
 """The concurrency group of every event that runs or loads models."""
+ON_PAGE_LOAD = {"api_visibility": "private", "concurrency_limit": None, "show_progress": "hidden"}
+"""How the events run that fill the page as it opens (the loaded pair's line and preview): side by side, and without
+a progress indicator, which would only flash: they answer at once."""
 
 
 class InputError(ValueError):

@@ -1,9 +1,13 @@
 """A script the app's page runs before Gradio's own: Gradio's status trackers time their elapsed-seconds label in a
 requestAnimationFrame loop that keeps running on an idle page, a frame drawn 60 times a second on the cores the engine
 decodes on (docs/benchmarks.md, "The Chat tab against the engine"). The label shows tenths of a second, so the script
-gives that loop four ticks a second and leaves every other animation frame as it is. Gradio's modules keep the
-requestAnimationFrame they find when they load, so the script must come before them in the page: `PageScript` puts
-it there as the page is served (Gradio's own `head` option inserts its HTML later, from the page's JavaScript)."""
+gives that loop four ticks a second. Gradio's loader (its animated logo, on the page's own loading screen and on a
+tracker that shows progress) moves by springs on Svelte's animation loop, and runs its cycle out, seconds of frames,
+after it has left the page, into a first answer sent soon after the page opened ("The page as it opens"); the script
+gives that loop four ticks a second too while no loader is on the page. Every other animation frame stays as it is.
+Gradio's modules keep the requestAnimationFrame they find when they load, so the script must come before them in the
+page: `PageScript` puts it there as the page is served (Gradio's own `head` option inserts its HTML later, from the
+page's JavaScript)."""
 
 from __future__ import annotations
 
@@ -11,8 +15,11 @@ SCRIPT = b"""<script>
 (() => {
   const frame = window.requestAnimationFrame.bind(window);
   const elapsedLabel = /performance\\.now\\(\\)-.*\\/1e3/;
+  const svelteLoop = /\\.tasks\\.forEach\\(/;
+  const loaderShown = () => document.querySelector('svg[viewBox="-1200 -1200 3000 3000"]') !== null;
+  const slowed = (source) => elapsedLabel.test(source) || (svelteLoop.test(source) && !loaderShown());
   window.requestAnimationFrame = (callback) =>
-    elapsedLabel.test(String(callback)) ? setTimeout(() => callback(performance.now()), 250) : frame(callback);
+    slowed(String(callback)) ? setTimeout(() => callback(performance.now()), 250) : frame(callback);
 })();
 </script>
 """

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import gradio as gr
 
-from .handlers import MODELS, Handlers
+from .handlers import MODELS, ON_PAGE_LOAD, Handlers
 from .pairs import NO_DRAFTER
 from .suggest_ui import rank_section
 
@@ -44,4 +44,4 @@ def pair_tab(demo: gr.Blocks, h: Handlers, header: gr.Markdown) -> None:
             c.change(h.preview, pair_inputs, info, api_visibility="private", concurrency_limit=None)
         load_btn.click(h.load, pair_inputs, [status, header], api_visibility="private", concurrency_id=MODELS)
         rank_section(h, pair_inputs, status, header, MODELS)
-        demo.load(h.preview, pair_inputs, info, api_visibility="private", concurrency_limit=None)
+        demo.load(h.preview, pair_inputs, info, **ON_PAGE_LOAD)

@@ -18,7 +18,7 @@ from usd.settings import ALGORITHMS, DRAFT_TOKENS_MAX, MAX_NEW_TOKENS_MAX
 from .chat_tab import chat_tab, wire_chat
 from .compare_tab import compare_tab, wire_compare
 from .endpoints import endpoint
-from .handlers import DEFAULT, MODELS, Handlers
+from .handlers import DEFAULT, MODELS, ON_PAGE_LOAD, Handlers
 from .live import Channels
 from .pair_tab import pair_tab
 from .pairs import Pairs
@@ -57,7 +57,7 @@ def build(pairs: Pairs, slots: Slots | None = None, stream=None) -> Page:
         knobs = settings_panel()
         wire_chat(chat, h, knobs)
         wire_compare(compare, h, knobs)
-        demo.load(pairs.describe, None, header, api_visibility="private", concurrency_limit=None)
+        demo.load(pairs.describe, None, header, **ON_PAGE_LOAD)
 
         gr.api(gpu(endpoint(h.generate)), api_name="generate", concurrency_id=MODELS)
         gr.api(gpu(endpoint(h.compare)), api_name="compare", concurrency_id=MODELS)

@@ -363,14 +363,15 @@ def test_browser_compare_tab_streams_both_columns_and_ends_identical(app):
 def test_browser_a_page_draws_almost_no_frames_idle_or_while_an_answer_streams(app, tmp_path):
     """The page's own animations run on the cores the engine needs. Gradio's status trackers time their label in a
     requestAnimationFrame loop, 60 frames a second, idle or not (app/page.py slows it); a loader shown once, even for
-    an instant, animated on until the answer ended (the chat's events show none). Counted in Chromium's own trace."""
+    an instant (the page's own loading screen), animated on for seconds after it was gone, into a first answer sent
+    soon after the page opened (app/page.py slows it too). Counted in Chromium's own trace."""
     from playwright.sync_api import expect, sync_playwright
 
     with sync_playwright() as p:
         browser, page = open_page(p)
         page.goto(app[2])
         page.wait_for_selector("#send")
-        time.sleep(6)  # the page settles (its first animations: tabs, loaders)
+        time.sleep(1)  # the page's first frames (the loading screen, the tabs) end; a user may send this soon
         idle = animation_frames(browser, page, tmp_path / "idle.json", 2)
         choose(page, "none", 400)
         page.locator("#clear").click()
