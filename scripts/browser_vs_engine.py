@@ -5,14 +5,14 @@ thread of a fresh process, as the app decodes, for each algorithm, repeated.
 
     PYTHONPATH=. python scripts/browser_vs_engine.py --repeats 3 --tokens 256 --json docs/bench/browser-vs-engine.json
 
-The app runs as a user starts it (`python -m app`, the default pair unless --target/--drafter), on this machine, and
-the browser renders on the same cores. The first chat after the app starts is an `auto` answer (the first answer of
-a freshly loaded pair, reported on its own row; --first names another algorithm for it); then, per repeat, every algorithm once in the browser, once through
-`usd generate` and once on a worker thread (fresh processes: their `auto` is always a first answer after a load), the
-order of the algorithms alternating from repeat to repeat. Besides the speeds it records the CPU seconds the app's
-process and the browser's processes spent per browser answer, and the load average. With --py-spy, each browser
-answer is also sampled by py-spy (`py-spy record --format raw`, one file per answer in --profile-dir): where the
-app's Python time went.
+The app runs as a user starts it (`python -m app`, the default pair unless --target/--drafter), on this machine, and the
+browser renders on the same cores. The first chat after the app starts is an `auto` answer (the first answer of a
+freshly loaded pair, reported on its own row; --first names another algorithm for it); then, per repeat, every algorithm
+once in the browser, once through `usd generate` and once on a worker thread (fresh processes: their `auto` is always a
+first answer after a load), the order of the algorithms alternating from repeat to repeat. Besides the speeds it records
+the CPU seconds the app's process and the browser's processes spent per browser answer, and the load average. With
+--py-spy, each browser answer is also sampled by py-spy (`py-spy record --format raw`, one file per answer in
+--profile-dir): where the app's Python time went.
 
 Nothing is downloaded: the models must be pulled (`usd pull`), and Debian's chromium installed.
 """
@@ -295,8 +295,8 @@ def table(results: dict, algorithms: list[str]) -> str:
     first = results.get("first")
     if first:
         lines.append(
-            f"| {first['algorithm']}, the first answer after start | {first['tokens_per_s']:.1f} | | | | | {first['app_cpu_s']:.1f} | "
-            f"{first['browser_cpu_s']:.1f} |"
+            f"| {first['algorithm']}, the first answer after start | {first['tokens_per_s']:.1f} | | | | | "
+            f"{first['app_cpu_s']:.1f} | {first['browser_cpu_s']:.1f} |"
         )
     for algorithm in algorithms:
         runs = results["runs"][algorithm]
@@ -352,7 +352,9 @@ def main() -> int:
             if not args.no_first:
                 results["first"] = browser_answer(page, app, args.first, args, f"first-{args.first}")
                 results["first"]["algorithm"] = args.first
-                print(f"first {args.first} answer after start: {results['first']['tokens_per_s']:.1f} tok/s", flush=True)
+                print(
+                    f"first {args.first} answer after start: {results['first']['tokens_per_s']:.1f} tok/s", flush=True
+                )
             for i in range(args.repeats):
                 order = args.algorithms if i % 2 == 0 else args.algorithms[::-1]
                 for algorithm in order:
