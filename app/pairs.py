@@ -155,7 +155,7 @@ class Pairs:
             return
         tt, dt = pair.target_tokenizer, pair.drafter_tokenizer
         self._tokenizers[t.name], self._tokenizers[d.name] = tt, dt
-        self._overlaps[(t.name, d.name)] = overlap_numbers(tt, dt, pair.overlap())
+        self._overlaps[(t.name, d.name)] = overlap_numbers(tt, dt, pair.overlap(), pair.same_tokenizer)
 
     def current(self):
         if self.pair is None:
@@ -197,11 +197,13 @@ def _free_memory() -> None:
         torch.cuda.empty_cache()
 
 
-def overlap_numbers(target_tokenizer, drafter_tokenizer, overlap=None) -> dict:
-    """`usd overlap`'s numbers, alpha ceiling included, and whether the two tokenizers are one (`overlap`: the two
-    aligned already)."""
+def overlap_numbers(target_tokenizer, drafter_tokenizer, overlap=None, same_tokenizer: bool | None = None) -> dict:
+    """`usd overlap`'s numbers, alpha ceiling included, and whether the two tokenizers are one (`overlap` and
+    `same_tokenizer`: what a loaded pair knows already)."""
     from usd.vocab import overlap_report, same_vocabulary
 
     report = overlap_report(target_tokenizer, drafter_tokenizer, overlap=overlap)
-    report["same_tokenizer"] = same_vocabulary(target_tokenizer, drafter_tokenizer)
+    if same_tokenizer is None:
+        same_tokenizer = same_vocabulary(target_tokenizer, drafter_tokenizer)
+    report["same_tokenizer"] = same_tokenizer
     return report
