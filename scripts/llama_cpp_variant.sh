@@ -29,8 +29,14 @@ cache="${USD_CHAT_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/usd-chat}"
 spec="$(sed -n 's/^llama_spec="\(.*\)"$/\1/p' "$root/dev.sh")"
 [ -n "$spec" ] || { echo "dev.sh names no llama_spec: the llama-cpp-python this project pins" >&2; exit 1; }
 
+# DIR is emptied first: only where this script made it (its marker), never a folder of someone else's
+if [ -e "$dir" ] && [ -n "$(ls -A "$dir")" ] && [ ! -f "$dir/.llama-cpp-variant" ]; then
+    echo "$dir exists and this script did not make it: name a new folder (it is emptied on every run)" >&2
+    exit 1
+fi
 rm -rf "$dir"
 mkdir -p "$dir/src" "$dir/pkg" "$dir/cache"
+touch "$dir/.llama-cpp-variant"
 dir="$(cd "$dir" && pwd)"
 "$py" -m pip download -q --disable-pip-version-check --no-deps --no-binary :all: "$spec" -d "$dir/src"
 tar xzf "$dir"/src/llama_cpp_python-*.tar.gz -C "$dir/src"
