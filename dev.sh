@@ -4,7 +4,8 @@
 #                      Debian's chromium for the browser test when it is missing and apt-get can run)
 #   ./dev.sh test -m "not slow"   the fast tier: no model download, a few minutes
 #   ./dev.sh app       pull the default pair and launch the chat UI
-#   ./dev.sh setup     only the install (the first one builds llama.cpp from source for precision gguf: about 6-7 min on two idle cores)
+#   ./dev.sh setup     only the install (the first one builds llama.cpp from source for precision gguf: about 6-7 min
+#                      on two idle cores)
 # TORCH_SPEC overrides the torch requirement (default: the CPU build torch==2.13.0 when no NVIDIA GPU is visible).
 set -euo pipefail
 cd "$(dirname "$0")"
@@ -19,8 +20,7 @@ if [ ! -x .venv/bin/python ]; then
 fi
 py=.venv/bin/python
 stamp=.venv/.usd-installed
-llama_spec="llama-cpp-python==0.3.36"
-llama_patch=patches/llama-cpp-python-exact-rows.patch
+. scripts/llama_source.sh  # llama_spec, llama_patch, llama_source
 
 # llama.cpp for precision gguf, built from llama-cpp-python's source with usd-chat's exact-rows patch (a verify of up to
 # 16 tokens in one call, each row with a single step's bits: usd/runners/llamacpp/kernels.py). The wheel is kept per
@@ -36,6 +36,7 @@ install_llama_cpp() {
     cmake_args="${CMAKE_ARGS:-$ours}"
     if "$py" -c "import ctypes, llama_cpp; cpu = ctypes.CDLL('libggml-cpu.so.0')
 cpu.ggml_cpu_set_exact_rows, cpu.ggml_cpu_set_amx_weights
+assert llama_cpp.__version__.split('+')[0] == '${llama_spec#*==}'
 assert b'OPENMP = 1' not in llama_cpp.llama_print_system_info()" >/dev/null 2>&1 \
         && [ ! "$llama_patch" -nt "$stamp" ]; then
         return
@@ -48,12 +49,10 @@ assert b'OPENMP = 1' not in llama_cpp.llama_print_system_info()" >/dev/null 2>&1
             "about 6-7 minutes on two idle cores, longer on busy ones, once: the wheel is kept in $wheels" >&2
         src="$(mktemp -d)"
         trap 'rm -rf "$src" "$wheels.part"' EXIT  # an interrupted build leaves nothing behind
-        "$py" -m pip download -q --disable-pip-version-check --no-deps --no-binary :all: "$llama_spec" -d "$src"
-        tar xzf "$src"/llama_cpp_python-*.tar.gz -C "$src"
-        (cd "$src"/llama_cpp_python-*/ && git apply -p1 "$OLDPWD/$llama_patch")
+        llama_source "$py" "$src" "$llama_patch"
         rm -rf "$wheels.part"
         CMAKE_ARGS="$cmake_args" "$py" -m pip wheel -q --disable-pip-version-check --no-deps -w "$wheels.part" \
-            "$src"/llama_cpp_python-*/
+            "$llama_src"
         mkdir -p "$(dirname "$wheels")" && mv "$wheels.part" "$wheels"
         rm -rf "$src"
         trap - EXIT
@@ -62,7 +61,7 @@ assert b'OPENMP = 1' not in llama_cpp.llama_print_system_info()" >/dev/null 2>&1
 }
 
 if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ "$llama_patch" -nt "$stamp" ] \
-    || [ dev.sh -nt "$stamp" ]; then
+    || [ dev.sh -nt "$stamp" ] || [ scripts/llama_source.sh -nt "$stamp" ]; then
     "$py" -m pip install -q --disable-pip-version-check --upgrade pip
     if [ -z "${TORCH_SPEC:-}" ]; then
         if command -v nvidia-smi >/dev/null 2>&1; then TORCH_SPEC="torch"; else TORCH_SPEC="torch==2.13.0"; fi

@@ -26,8 +26,7 @@ root="$(cd "$(dirname "$0")/.." && pwd)"
 py="$root/.venv/bin/python"
 site="$("$py" -c 'import llama_cpp, os; print(os.path.dirname(llama_cpp.__file__))')"
 cache="${USD_CHAT_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/usd-chat}"
-spec="$(sed -n 's/^llama_spec="\(.*\)"$/\1/p' "$root/dev.sh")"
-[ -n "$spec" ] || { echo "dev.sh names no llama_spec: the llama-cpp-python this project pins" >&2; exit 1; }
+. "$root/scripts/llama_source.sh"  # the pinned source and patch dev.sh builds: llama_spec, llama_patch, llama_source
 
 # DIR is emptied first: only where this script made it (its marker), never a folder of someone else's
 if [ -e "$dir" ] && [ -n "$(ls -A "$dir")" ] && [ ! -f "$dir/.llama-cpp-variant" ]; then
@@ -38,12 +37,10 @@ rm -rf "$dir"
 mkdir -p "$dir/src" "$dir/pkg" "$dir/cache"
 touch "$dir/.llama-cpp-variant"
 dir="$(cd "$dir" && pwd)"
-"$py" -m pip download -q --disable-pip-version-check --no-deps --no-binary :all: "$spec" -d "$dir/src"
-tar xzf "$dir"/src/llama_cpp_python-*.tar.gz -C "$dir/src"
-src="$(echo "$dir"/src/llama_cpp_python-*/)"
-if [ "$patched" = 1 ]; then
-    (cd "$src" && git apply -p1 "$root/patches/llama-cpp-python-exact-rows.patch")
-fi
+patch=""
+[ "$patched" = 0 ] || patch="$root/$llama_patch"
+llama_source "$py" "$dir/src" "$patch"
+src="$llama_src"
 cmake -S "$src/vendor/llama.cpp" -B "$dir/build" -DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=ON -DGGML_OPENMP=OFF \
     -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=OFF \
     -DLLAMA_BUILD_SERVER=OFF "$@" >"$dir/cmake.log" 2>&1
