@@ -15,18 +15,18 @@
 # -l:libggml-base.so -Wl,-rpath,DIR/pkg/llama_cpp/lib && ./rows
 set -euo pipefail
 
+root="$(cd "$(dirname "$0")/.." && pwd)"
+. "$root/scripts/llama_source.sh"  # the pinned source and patch dev.sh builds: llama_spec, llama_patch, llama_source
 dir="${1:?usage: scripts/llama_cpp_variant.sh DIR [--unpatched] [CMAKE_ARG ...]}"
 shift
-patched=1
+patch="$root/$llama_patch"
 if [ "${1:-}" = "--unpatched" ]; then
-    patched=0
+    patch=""
     shift
 fi
-root="$(cd "$(dirname "$0")/.." && pwd)"
 py="$root/.venv/bin/python"
 site="$("$py" -c 'import llama_cpp, os; print(os.path.dirname(llama_cpp.__file__))')"
 cache="${USD_CHAT_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/usd-chat}"
-. "$root/scripts/llama_source.sh"  # the pinned source and patch dev.sh builds: llama_spec, llama_patch, llama_source
 
 # DIR is emptied first: only where this script made it (its marker), never a folder of someone else's
 if [ -e "$dir" ] && [ -n "$(ls -A "$dir")" ] && [ ! -f "$dir/.llama-cpp-variant" ]; then
@@ -37,11 +37,8 @@ rm -rf "$dir"
 mkdir -p "$dir/src" "$dir/pkg" "$dir/cache"
 touch "$dir/.llama-cpp-variant"
 dir="$(cd "$dir" && pwd)"
-patch=""
-[ "$patched" = 0 ] || patch="$root/$llama_patch"
 llama_source "$py" "$dir/src" "$patch"
-src="$llama_src"
-cmake -S "$src/vendor/llama.cpp" -B "$dir/build" -DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=ON -DGGML_OPENMP=OFF \
+cmake -S "$llama_src/vendor/llama.cpp" -B "$dir/build" -DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=ON -DGGML_OPENMP=OFF \
     -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=OFF \
     -DLLAMA_BUILD_SERVER=OFF "$@" >"$dir/cmake.log" 2>&1
 grep "CPU backend variant" "$dir/cmake.log" || true
